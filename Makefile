@@ -1,0 +1,39 @@
+# One-command setup and checks for the MiniMind course. Needs only python3 and the package registries.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: venv lab test unit notebooks course kernel clean
+
+venv: $(STAMP)
+
+# Re-install only when the pins or the package metadata change.
+$(STAMP): requirements.txt pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -r requirements.txt
+	$(PY) -m pip install --quiet --no-deps -e .
+	touch $(STAMP)
+
+kernel: venv
+	$(PY) -m ipykernel install --user --name minimind --display-name "Python (minimind)"
+
+lab: kernel
+	$(VENV)/bin/jupyter lab --notebook-dir=notebooks
+
+# CI and a quick local check: unit tests, then every notebook with nbval in the smoke profile.
+test: unit notebooks
+
+unit: venv
+	MINIMIND_PROFILE=smoke $(PY) -m pytest tests/ -q
+
+notebooks: venv
+	MINIMIND_PROFILE=smoke $(PY) -m pytest --nbval-lax --current-env --nbval-cell-timeout=900 -p no:cacheprovider notebooks/ -q
+
+# Execute every notebook in order (cpu or gpu profile, chosen as usual) into build/, with its figures.
+course: venv
+	$(PY) -m minimind_lib.course --out build
+
+clean:
+	rm -rf build .pytest_cache

@@ -1,0 +1,41 @@
+"""Dispatch `python -m minimind_lib.bench NAME [args]` to minimind_lib/bench/NAME.py."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import pkgutil
+import sys
+
+import minimind_lib.bench as bench_pkg
+
+
+def available() -> list[str]:
+    """Names of the benchmarks that exist."""
+    return sorted(m.name for m in pkgutil.iter_modules(bench_pkg.__path__) if not m.name.startswith("_"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one benchmark and print its JSON result."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    names = available()
+    if not argv or argv[0] in ("-h", "--help"):
+        print(f"usage: python -m minimind_lib.bench NAME [--json] [options]\nbenchmarks: {', '.join(names)}")
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    if name not in names:
+        print(f"error: unknown benchmark {name!r}; available: {', '.join(names)}", file=sys.stderr)
+        return 2
+    as_json = "--json" in rest
+    rest = [a for a in rest if a != "--json"]
+    result = importlib.import_module(f"minimind_lib.bench.{name}").main(rest)
+    if as_json:
+        print(json.dumps(result))
+    else:
+        for key, value in result.items():
+            print(f"{key:32s} {value}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

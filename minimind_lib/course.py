@@ -1,0 +1,89 @@
+"""Execute the course's notebooks in order, headless: `python -m minimind_lib.course [--out build] [--inplace]`.
+
+Writes executed copies to OUT/notebooks/ and every PNG figure to OUT/figures/ (named after its notebook and cell).
+With --inplace the notebooks in notebooks/ get the outputs (how the committed outputs are made).
+The profile is chosen as everywhere else (MINIMIND_PROFILE, else gpu with CUDA, else cpu).
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import sys
+import time
+from pathlib import Path
+
+from .paths import REPO_DIR
+
+
+def notebook_paths(notebook_dir: Path, only: list[str] | None = None) -> list[Path]:
+    """The numbered notebooks in order, optionally only those whose names start with one of `only`."""
+    paths = sorted(p for p in notebook_dir.glob("[0-9][0-9]_*.ipynb"))
+    if only:
+        paths = [p for p in paths if any(p.name.startswith(prefix) for prefix in only)]
+    return paths
+
+
+def extract_figures(nb, stem: str, figure_dir: Path) -> list[Path]:
+    """Write every image/png output of an executed notebook to figure_dir and return the paths."""
+    figure_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for cell_index, cell in enumerate(nb.cells):
+        for output_index, output in enumerate(cell.get("outputs", [])):
+            png = output.get("data", {}).get("image/png")
+            if png:
+                path = figure_dir / f"{stem}_cell{cell_index:02d}_{output_index}.png"
+                path.write_bytes(base64.b64decode(png))
+                written.append(path)
+    return written
+
+
+def run_course(out: Path, inplace: bool, only: list[str] | None, timeout: int, kernel: str) -> list[dict]:
+    """Execute the notebooks; return one record per notebook (name, seconds, figures, error)."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    notebook_dir = REPO_DIR / "notebooks"
+    records = []
+    for path in notebook_paths(notebook_dir, only):
+        nb = nbformat.read(path, as_version=4)
+        client = NotebookClient(nb, timeout=timeout, kernel_name=kernel, resources={"metadata": {"path": str(notebook_dir)}})
+        start = time.perf_counter()
+        error = None
+        try:
+            client.execute()
+        except Exception as exc:  # keep going so one broken notebook does not hide the others
+            error = f"{type(exc).__name__}: {str(exc)[-2000:]}"
+        seconds = round(time.perf_counter() - start, 1)
+        target = path if inplace else out / "notebooks" / path.name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_suffix(".ipynb.tmp")
+        nbformat.write(nb, tmp)
+        tmp.replace(target)
+        figures = extract_figures(nb, path.stem, out / "figures")
+        records.append({"notebook": path.name, "seconds": seconds, "figures": len(figures), "error": error})
+        print(f"{path.name:40s} {seconds:8.1f} s  {len(figures):2d} figures  {'ERROR ' + error.splitlines()[0] if error else 'ok'}", flush=True)
+    return records
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse arguments, run the notebooks, write OUT/course.json; exit 1 if any notebook failed."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=REPO_DIR / "build")
+    parser.add_argument("--inplace", action="store_true", help="write outputs into notebooks/ themselves")
+    parser.add_argument("--only", nargs="*", default=None, help="notebook name prefixes, e.g. 03 04")
+    parser.add_argument("--timeout", type=int, default=3600, help="seconds per cell")
+    parser.add_argument("--kernel", default="python3", help="Jupyter kernel name (python3 = this environment)")
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    records = run_course(args.out, args.inplace, args.only, args.timeout, args.kernel)
+    from .device import device_report
+
+    summary = {"device": device_report(), "notebooks": records}
+    (args.out / "course.json").write_text(json.dumps(summary, indent=2))
+    return 1 if any(r["error"] for r in records) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

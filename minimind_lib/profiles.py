@@ -1,0 +1,84 @@
+"""Profiles: how big every experiment in the course is, chosen once, in one place.
+
+A profile is data. Notebooks and the CLI read sizes from it and never hard-code them,
+so the same notebook runs in seconds in CI (``smoke``), in minutes on a laptop (``cpu``)
+and as the real MiniMind2-small on a GPU (``gpu``).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, replace
+
+import torch
+
+
+@dataclass(frozen=True)
+class Profile:
+    """The sizes of one way of running the course."""
+
+    name: str
+    model: str  # a preset name for MiniMindConfig.preset
+    seq_len: int  # longest row fed to the model, in tokens
+    batch_size: int  # rows per micro-batch for fixed-size batching
+    max_tokens: int  # padded tokens (rows x longest row) per micro-batch for token budgets
+    accum_steps: int  # micro-batches per optimizer step in the accumulation demos
+    train_steps: int  # optimizer steps of the short training demos (notebooks 04-06)
+    pretrain_steps: int  # optimizer steps of notebook 07
+    sft_steps: int  # optimizer steps of notebook 08
+    eval_every: int  # optimizer steps between validation passes
+    lr: float  # peak learning rate
+    max_samples: int | None  # cap on samples read from data/ (None: all of them)
+    num_threads: int | None  # torch CPU threads (None: leave torch's default)
+
+    def to_dict(self) -> dict:
+        """The profile as a plain dict (for JSON and tables)."""
+        return asdict(self)
+
+
+PROFILES: dict[str, Profile] = {
+    # CI on 2 CPU cores: every notebook in about a minute; proves the code runs, not that it learns well.
+    "smoke": Profile(
+        name="smoke", model="smoke", seq_len=128, batch_size=8, max_tokens=1024, accum_steps=4,
+        train_steps=12, pretrain_steps=30, sft_steps=20, eval_every=10, lr=3e-3,
+        max_samples=2000, num_threads=None,
+    ),
+    # A learner's laptop CPU: a few minutes per notebook, loss visibly falls.
+    "cpu": Profile(
+        name="cpu", model="cpu", seq_len=256, batch_size=16, max_tokens=4096, accum_steps=4,
+        train_steps=60, pretrain_steps=400, sft_steps=150, eval_every=50, lr=2e-3,
+        max_samples=None, num_threads=None,
+    ),
+    # The real MiniMind2-small (25,829,888 parameters) at MiniMind's sequence length.
+    "gpu": Profile(
+        name="gpu", model="minimind2-small", seq_len=512, batch_size=32, max_tokens=16384, accum_steps=4,
+        train_steps=200, pretrain_steps=2000, sft_steps=600, eval_every=200, lr=1e-3,
+        max_samples=None, num_threads=None,
+    ),
+}
+
+
+def select_profile_name(env: dict[str, str] | None = None, cuda_available: bool | None = None) -> str:
+    """Name of the profile to use: MINIMIND_PROFILE, else smoke under CI, else gpu with CUDA, else cpu."""
+    env = os.environ if env is None else env
+    requested = env.get("MINIMIND_PROFILE", "").strip().lower()
+    if requested:
+        if requested not in PROFILES:
+            raise ValueError(
+                f"MINIMIND_PROFILE={requested!r} is not a profile; choose one of {sorted(PROFILES)}"
+            )
+        return requested
+    if env.get("CI", "").strip().lower() not in ("", "0", "false", "no"):
+        return "smoke"
+    if cuda_available is None:
+        cuda_available = torch.cuda.is_available()
+    return "gpu" if cuda_available else "cpu"
+
+
+def get_profile(name: str | None = None, **overrides) -> Profile:
+    """The named profile (or the selected one), with optional field overrides."""
+    name = select_profile_name() if name is None else name
+    if name not in PROFILES:
+        raise ValueError(f"unknown profile {name!r}; choose one of {sorted(PROFILES)}")
+    profile = PROFILES[name]
+    return replace(profile, **overrides) if overrides else profile

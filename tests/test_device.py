@@ -1,0 +1,71 @@
+"""The device report and the CLI's `info` command."""
+
+import json
+import subprocess
+import sys
+
+import torch
+
+from minimind_lib import device as dev
+from minimind_lib.profiles import get_profile
+
+KEYS = {"device", "device_name", "profile", "torch", "bf16_supported", "total_memory_bytes"}
+
+
+def test_report_has_the_promised_fields():
+    report = dev.device_report(torch.device("cpu"), get_profile("smoke"))
+    assert KEYS <= set(report)
+    assert report["device"] == "cpu" and report["profile"] == "smoke"
+    assert report["torch"] == torch.__version__
+    assert report["total_memory_bytes"] > 0
+    json.dumps(report)  # JSON-ready
+
+
+def test_cpu_bf16_native_follows_the_cpu_flags(monkeypatch, tmp_path):
+    # bf16_native must come from the CPU's instruction flags, not from "autocast runs" (it always runs).
+    dev.cpu_has_native_bf16.cache_clear()
+    fake = tmp_path / "cpuinfo"
+    fake.write_text("model name\t: Test CPU\nflags\t\t: fpu sse2 avx2 avx512f\n")
+    real_open = open
+    monkeypatch.setattr("builtins.open", lambda p, *a, **k: real_open(fake if p == "/proc/cpuinfo" else p, *a, **k))
+    assert dev.cpu_has_native_bf16() is False
+    dev.cpu_has_native_bf16.cache_clear()
+    fake.write_text("model name\t: Test CPU\nflags\t\t: fpu avx512f avx512_bf16\n")
+    assert dev.cpu_has_native_bf16() is True
+    dev.cpu_has_native_bf16.cache_clear()
+
+
+def test_get_device_prefers_explicit_choice(monkeypatch):
+    monkeypatch.setenv("MINIMIND_DEVICE", "cpu")
+    assert dev.get_device() == torch.device("cpu")
+    assert dev.get_device("meta") == torch.device("meta")
+
+
+def test_describe_names_device_and_profile():
+    line = dev.describe(get_profile("smoke"), torch.device("cpu"))
+    assert line.startswith("cpu (") and "profile=smoke" in line
+
+
+def test_cli_info_prints_json():
+    out = subprocess.run([sys.executable, "-m", "minimind_lib", "info", "--profile", "smoke", "--compact"],
+                         capture_output=True, text=True, check=True).stdout
+    report = json.loads(out)
+    assert KEYS <= set(report) and report["profile"] == "smoke"
+
+
+def test_cli_bad_profile_exits_nonzero_with_message():
+    proc = subprocess.run([sys.executable, "-m", "minimind_lib", "info", "--profile", "huge"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert "unknown profile 'huge'" in proc.stderr
+
+
+def test_memory_fraction_and_its_errors():
+    assert dev.memory_fraction_for(24 * 2**30, 96 * 2**30) == 0.25
+    import pytest
+
+    with pytest.raises(ValueError, match="cannot emulate 48.0 GiB on a device with 24.0 GiB"):
+        dev.memory_fraction_for(48 * 2**30, 24 * 2**30)
+    with pytest.raises(ValueError, match="must be positive"):
+        dev.memory_fraction_for(0, 24 * 2**30)
+    assert dev.emulate_gpu_memory(2**30, torch.device("cpu")) is None

@@ -1,0 +1,46 @@
+"""Profile selection: env var, CI, CUDA, and the sizes each profile promises."""
+
+import pytest
+
+from minimind_lib.profiles import PROFILES, get_profile, select_profile_name
+
+
+@pytest.mark.parametrize(
+    "env, cuda, expected",
+    [
+        ({"MINIMIND_PROFILE": "gpu"}, False, "gpu"),  # explicit choice wins, even without CUDA
+        ({"MINIMIND_PROFILE": "cpu", "CI": "true"}, True, "cpu"),  # and wins over CI
+        ({"MINIMIND_PROFILE": " Smoke "}, False, "smoke"),  # case and spaces forgiven
+        ({"CI": "true"}, True, "smoke"),
+        ({"CI": "1"}, False, "smoke"),
+        ({"CI": "false"}, True, "gpu"),  # CI=false is not CI
+        ({}, True, "gpu"),
+        ({}, False, "cpu"),
+    ],
+)
+def test_selection_order(env, cuda, expected):
+    assert select_profile_name(env, cuda_available=cuda) == expected
+
+
+def test_unknown_profile_names_the_choices():
+    with pytest.raises(ValueError, match=r"MINIMIND_PROFILE='huge'.*\['cpu', 'gpu', 'smoke'\]"):
+        select_profile_name({"MINIMIND_PROFILE": "huge"}, cuda_available=False)
+    with pytest.raises(ValueError, match="unknown profile 'huge'"):
+        get_profile("huge")
+
+
+def test_profiles_are_ordered_by_size():
+    smoke, cpu, gpu = PROFILES["smoke"], PROFILES["cpu"], PROFILES["gpu"]
+    assert gpu.model == "minimind2-small" and gpu.seq_len == 512
+    for field in ("seq_len", "max_tokens", "pretrain_steps"):
+        assert getattr(smoke, field) <= getattr(cpu, field) <= getattr(gpu, field), field
+    for p in PROFILES.values():
+        # a token budget must hold at least one full-length row
+        assert p.max_tokens >= p.seq_len
+        assert p.eval_every <= p.pretrain_steps
+
+
+def test_overrides_do_not_touch_the_registry():
+    p = get_profile("smoke", seq_len=64)
+    assert p.seq_len == 64 and PROFILES["smoke"].seq_len == 128
+    assert p.to_dict()["name"] == "smoke"
