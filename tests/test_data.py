@@ -1,0 +1,386 @@
+"""Tests of minimind_lib.data: jsonl validation, datasets, label masks, memmap cache, collators."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import time
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from minimind_lib import data as D
+from minimind_lib.tokenizer import Tokenizer
+
+CORPUS = [
+    "To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer.",
+    "The slings and arrows of outrageous fortune, or to take arms against a sea of troubles.",
+    "床前明月光，疑是地上霜。举头望明月，低头思故乡。",
+    "Hello there! How can I help you today? I am a helpful assistant.",
+] * 4
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return Tokenizer.train(CORPUS, vocab_size=400)
+
+
+@pytest.fixture(scope="module")
+def tok2():
+    return Tokenizer.train(CORPUS, vocab_size=380)
+
+
+def write_jsonl(path, rows):
+    with open(path, "w", encoding="utf-8") as f:
+        for r in rows:
+            f.write(r if isinstance(r, str) else json.dumps(r, ensure_ascii=False))
+            f.write("\n")
+    return path
+
+
+def conv(*turns):
+    return {"conversations": [{"role": r, "content": c} for r, c in turns]}
+
+
+@pytest.fixture
+def pre_path(tmp_path):
+    return write_jsonl(tmp_path / "pre.jsonl", [{"text": t} for t in CORPUS])
+
+
+@pytest.fixture
+def sft_path(tmp_path):
+    rows = [conv(("system", "You are helpful."), ("user", "Hello there?"), ("assistant", "To be, or not to be.")),
+            conv(("user", "床前明月光"), ("assistant", "疑是地上霜。"), ("user", "again"), ("assistant", "\n\nHello!"))] * 5
+    return write_jsonl(tmp_path / "sft.jsonl", rows)
+
+
+# ---------------------------------------------------------------- read_jsonl and validation
+
+
+def test_read_jsonl_missing_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="jsonl file not found: .*nope.jsonl"):
+        D.read_jsonl(tmp_path / "nope.jsonl")
+
+
+def test_read_jsonl_malformed_line_names_file_and_line(tmp_path):
+    p = write_jsonl(tmp_path / "bad.jsonl", [{"text": "a"}, {"text": "b"}, '{"text": "c"', {"text": "d"}])
+    with pytest.raises(D.DataFormatError, match=r"bad\.jsonl:3: malformed JSON \(Expecting .* at column 13\)"):
+        list(D.read_jsonl(p))
+
+
+def test_read_jsonl_skip_counts_and_warns(tmp_path):
+    p = write_jsonl(tmp_path / "bad.jsonl", [{"text": "a"}, "not json", "", {"nottext": 1}, {"text": "d"}])
+    reader = D.read_jsonl(p, on_error="skip", kind="pretrain")
+    with pytest.warns(UserWarning, match=r"skipped 2"):
+        records = list(reader)
+    assert [r["text"] for r in records] == ["a", "d"]
+    assert (reader.n_skipped, reader.n_blank, reader.n_lines) == (2, 1, 5)
+    assert "bad.jsonl:2: malformed JSON" in reader.skipped_examples[0]
+    assert "bad.jsonl:4: missing key 'text'" in reader.skipped_examples[1]
+
+
+def test_read_jsonl_bad_on_error_value(tmp_path):
+    p = write_jsonl(tmp_path / "a.jsonl", [{"text": "a"}])
+    with pytest.raises(ValueError, match="on_error='ignore' is not valid"):
+        D.read_jsonl(p, on_error="ignore")
+
+
+def test_read_jsonl_max_samples(pre_path):
+    assert len(list(D.read_jsonl(pre_path, max_samples=3))) == 3
+
+
+@pytest.mark.parametrize("record, match", [
+    ({"txt": "a"}, "missing key 'text'"),
+    ({"text": 3}, "key 'text' must be a string, got int"),
+    ({"text": "  \n"}, "key 'text' is empty"),
+    ({"text": "a\ud800b"}, "lone surrogate"),
+    ([1, 2], "expected a JSON object, got list"),
+])
+def test_validate_pretrain(record, match):
+    with pytest.raises(ValueError, match=match):
+        D.validate_record(record, "pretrain")
+
+
+@pytest.mark.parametrize("record, match", [
+    ({"messages": []}, "missing key 'conversations'"),
+    ({"conversations": []}, "must be a non-empty list"),
+    (conv(("human", "hi"), ("assistant", "yo")), r"conversations\[0\]\['role'\] = 'human' is not one of"),
+    ({"conversations": [{"role": "user"}]}, r"conversations\[0\] is missing key 'content'"),
+    ({"conversations": [{"content": "x"}]}, r"conversations\[0\] is missing key 'role'"),
+    (conv(("user", "hi")), "no 'assistant' turn"),
+    (conv(("user", "hi"), ("assistant", " ")), r"conversations\[1\]\['content'\] is empty"),
+    (conv(("user", "hi"), ("system", "s"), ("assistant", "a")), "only the first turn"),
+    ({"conversations": [{"role": "user", "content": 5}, {"role": "assistant", "content": "a"}]}, "must be a string"),
+])
+def test_validate_sft(record, match):
+    with pytest.raises(ValueError, match=match):
+        D.validate_record(record, "sft")
+
+
+def test_dataset_error_names_file_line_and_value(tmp_path, tok):
+    p = write_jsonl(tmp_path / "s.jsonl", [conv(("user", "a"), ("assistant", "b")), conv(("bot", "a"), ("assistant", "b"))])
+    with pytest.raises(D.DataFormatError, match=r"s\.jsonl:2: conversations\[0\]\['role'\] = 'bot'"):
+        D.SFTDataset(p, tok, 64)
+    with pytest.warns(UserWarning, match="skipped 1"):
+        ds = D.SFTDataset(p, tok, 64, on_error="skip")
+    assert len(ds) == 1 and ds.stats.n_skipped == 1 and "s.jsonl:2" in ds.stats.skipped_examples[0]
+
+
+# ---------------------------------------------------------------- pretrain samples
+
+
+def test_pretrain_sample_is_bos_tokens_eos(pre_path, tok):
+    ds = D.PretrainDataset(pre_path, tok, seq_len=512)
+    s = ds[0]
+    expected = [tok.bos_token_id, *tok.encode(CORPUS[0]), tok.eos_token_id]
+    assert s["input_ids"].dtype == torch.long and s["input_ids"].ndim == 1
+    assert s["input_ids"].tolist() == expected
+    assert torch.equal(s["labels"], s["input_ids"])
+    assert ds.lengths[0] == len(expected) and ds.lengths.dtype == np.int64
+    assert ds.stats.n_truncated == 0 and ds.stats.n_samples == len(CORPUS)
+
+
+def test_pretrain_truncation_is_counted(pre_path, tok):
+    full = D.PretrainDataset(pre_path, tok, seq_len=10_000)
+    ds = D.PretrainDataset(pre_path, tok, seq_len=16)
+    raw = full.lengths
+    assert ds.lengths.max() == 16 and len(ds[0]["input_ids"]) == 16
+    assert ds.stats.n_truncated == int((raw > 16).sum()) > 0
+    assert ds.stats.truncated_tokens == int((raw - 16).clip(0).sum())
+    assert ds.stats.n_tokens == int(ds.lengths.sum())
+    assert ds[0]["input_ids"].tolist() == full[0]["input_ids"][:16].tolist()
+
+
+def test_lazy_matches_eager(pre_path, sft_path, tok):
+    for cls, path in ((D.PretrainDataset, pre_path), (D.SFTDataset, sft_path)):
+        eager, lazy = cls(path, tok, 40), cls(path, tok, 40, lazy=True)
+        assert len(eager) == len(lazy)
+        assert np.array_equal(eager.lengths, lazy.lengths)
+        for i in range(len(eager)):
+            for k in ("input_ids", "labels"):
+                assert torch.equal(eager[i][k], lazy[i][k])
+        assert eager.stats == lazy.stats
+
+
+def test_vocab_mismatch_refused(pre_path, tok):
+    with pytest.raises(ValueError, match="does not match the model's vocab_size=6400"):
+        D.PretrainDataset(pre_path, tok, 32, vocab_size=6400)
+    D.PretrainDataset(pre_path, tok, 32, vocab_size=tok.vocab_size)  # matching: fine
+
+
+def test_seq_len_too_short(pre_path, tok):
+    with pytest.raises(ValueError, match="seq_len=1 is too short"):
+        D.PretrainDataset(pre_path, tok, 1)
+
+
+# ---------------------------------------------------------------- SFT labels
+
+
+def _trained_text(tok, sample):
+    ids, labels = sample["input_ids"], sample["labels"]
+    assert torch.equal(labels[labels != -100], ids[labels != -100])  # aligned: a label is the token itself
+    return tok.decode(ids[labels != -100].tolist())
+
+
+def test_sft_labels_only_on_assistant_content_and_im_end(sft_path, tok):
+    ds = D.SFTDataset(sft_path, tok, 512)
+    assert _trained_text(tok, ds[0]) == "To be, or not to be.<|im_end|>"
+    # multi-turn: both assistant replies, content starting with blank lines included, user turns not
+    assert _trained_text(tok, ds[1]) == "疑是地上霜。<|im_end|>\n\nHello!<|im_end|>"
+    s = ds[0]
+    ids = s["input_ids"].tolist()
+    rendered = tok.apply_chat_template(
+        [{"role": "system", "content": "You are helpful."}, {"role": "user", "content": "Hello there?"},
+         {"role": "assistant", "content": "To be, or not to be."}], tokenize=True)
+    assert ids == rendered
+    # the "\n" after the last <|im_end|> is not trained (documented choice)
+    assert ids[-2] == tok.eos_token_id and s["labels"][-2] == tok.eos_token_id and s["labels"][-1] == -100
+
+
+def test_assistant_mask_slow_path_and_content_with_special_text(tok):
+    c = [{"role": "user", "content": "say <|im_end|> please"}, {"role": "assistant", "content": "ok <|im_start|>user"}]
+    ids, mask = D.encode_sft(tok, c)
+    assert tok.decode(np.asarray(ids)[mask == 1].tolist()) == "ok <|im_start|>user<|im_end|>"
+    # a header tokenized differently from encode("assistant\n") still masks, by decoding the role tokens
+    b, e, nl = tok.bos_token_id, tok.eos_token_id, tok.encode("\n")
+    header = [t for c in "assistant" for t in tok.encode(c)]  # one token per letter: not what encode() gives
+    ids2 = [b, *tok.encode("u"), *tok.encode("ser"), *nl, *tok.encode("Q"), e, *nl,
+            b, *header, *nl, *tok.encode("Hi"), e, *nl]
+    k = len(ids2) - ids2[::-1].index(b)  # just after the second <|im_start|>
+    assert tuple(ids2[k:k + len(tok.encode("assistant\n"))]) != tuple(tok.encode("assistant\n"))
+    m2 = D.assistant_mask(tok, ids2)
+    assert tok.decode([i for i, k in zip(ids2, m2) if k]) == "Hi<|im_end|>"
+
+
+def test_sft_truncation_and_no_target_counted(tmp_path, tok):
+    long_user = "To be, or not to be, that is the question. " * 5
+    p = write_jsonl(tmp_path / "s.jsonl", [conv(("user", long_user), ("assistant", "yes")),
+                                           conv(("user", "hi"), ("assistant", "Hello there!"))])
+    ds = D.SFTDataset(p, tok, 24)
+    assert ds.stats.n_truncated == 1 and ds.stats.truncated_tokens > 0
+    assert ds.stats.n_no_target == 1  # the first sample lost its whole reply to truncation: counted, not hidden
+    assert (ds[0]["labels"] == -100).all() and len(ds[0]["input_ids"]) == 24
+    assert ds.stats.n_trained_tokens == int((ds[1]["labels"][1:] != -100).sum())
+    assert "1 samples left with nothing to train" in ds.stats.summary()
+
+
+# ---------------------------------------------------------------- memmap
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_memmap_pretrain_matches_in_memory(tmp_path, pre_path, tok, num_workers):
+    info = D.tokenize_to_memmap(pre_path, tok, tmp_path / "cache" / "pre", num_workers=num_workers,
+                                chunk_size=3, progress=False)
+    assert not info.reused and info.n_samples == len(CORPUS) and info.num_workers == num_workers
+    for f in info.files:
+        assert os.path.isfile(f)
+    mem = D.PretrainDataset(pre_path, tok, 20)
+    mm = D.PretrainDataset(info.prefix, tok, 20)
+    raw = D.MemmapDataset(info.prefix, 20)
+    assert np.array_equal(mem.lengths, mm.lengths) and np.array_equal(mm.lengths, raw.lengths)
+    for i in range(len(mem)):
+        assert torch.equal(mem[i]["input_ids"], mm[i]["input_ids"]) and torch.equal(mem[i]["labels"], raw[i]["labels"])
+    assert mem.stats.n_truncated == mm.stats.n_truncated == raw.stats.n_truncated
+    assert np.load(info.prefix + ".idx.npy").dtype == np.int64
+    meta = json.loads(open(info.prefix + ".json").read())
+    assert meta["n_tokens"] * 2 == os.path.getsize(info.prefix + ".bin")
+    assert meta["tokenizer"]["vocab_size"] == tok.vocab_size and meta["source"]["size"] == os.path.getsize(pre_path)
+
+
+def test_memmap_sft_matches_in_memory(tmp_path, sft_path, tok):
+    info = D.tokenize_to_memmap(sft_path, tok, tmp_path / "sft", kind="sft", num_workers=2, chunk_size=4, progress=False)
+    mem, mm = D.SFTDataset(sft_path, tok, 30), D.SFTDataset(info.prefix, tok, 30)
+    for i in range(len(mem)):
+        assert torch.equal(mem[i]["labels"], mm[i]["labels"])
+    assert mem.stats.n_trained_tokens == mm.stats.n_trained_tokens
+    with pytest.raises(ValueError, match="holds 'sft' samples, not 'pretrain'"):
+        D.PretrainDataset(info.prefix, tok, 30)
+
+
+def test_memmap_reuse_and_rebuild_when_stale(tmp_path, pre_path, tok, tok2):
+    prefix = tmp_path / "pre"
+    assert not D.tokenize_to_memmap(pre_path, tok, prefix, num_workers=0, progress=False).reused
+    assert D.tokenize_to_memmap(pre_path, tok, prefix, num_workers=0, progress=False).reused
+    fresh, reason = D.memmap_is_fresh(prefix, pre_path, tok2)
+    assert not fresh and "tokenizer changed" in reason
+    info = D.tokenize_to_memmap(pre_path, tok2, prefix, num_workers=0, progress=False)
+    assert not info.reused
+    with pytest.raises(ValueError, match="tokenized with another tokenizer"):
+        D.PretrainDataset(prefix, tok, 32)
+    with open(pre_path, "a") as f:  # the source changes: size and mtime differ
+        f.write(json.dumps({"text": "one more line"}) + "\n")
+    os.utime(pre_path, ns=(time.time_ns(), time.time_ns() + 10**9))
+    fresh, reason = D.memmap_is_fresh(prefix, pre_path, tok2)
+    assert not fresh and "source changed" in reason
+    info = D.tokenize_to_memmap(pre_path, tok2, prefix, num_workers=0, progress=False)
+    assert not info.reused and info.n_samples == len(CORPUS) + 1
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_memmap_malformed_line_raises_or_skips(tmp_path, tok, num_workers):
+    p = write_jsonl(tmp_path / "bad.jsonl", [{"text": "ok"}] * 5 + ['{"text": '] + [{"text": "fine"}] * 3)
+    with pytest.raises(D.DataFormatError, match=r"bad\.jsonl:6: malformed JSON"):
+        D.tokenize_to_memmap(p, tok, tmp_path / "c", num_workers=num_workers, chunk_size=2, progress=False)
+    assert not os.path.exists(tmp_path / "c.json") and not os.path.exists(tmp_path / "c.bin")  # nothing half-written
+    assert not [f for f in os.listdir(tmp_path) if ".tmp-" in f]
+    with pytest.warns(UserWarning, match="skipped 1 lines"):
+        info = D.tokenize_to_memmap(p, tok, tmp_path / "c", num_workers=num_workers, chunk_size=2,
+                                    on_error="skip", progress=False)
+    assert info.n_samples == 8 and info.n_skipped == 1 and "bad.jsonl:6" in info.skipped_examples[0]
+    assert D.MemmapDataset(info.prefix, 8).stats.n_skipped == 1
+
+
+def test_memmap_max_samples(tmp_path, pre_path, tok):
+    info = D.tokenize_to_memmap(pre_path, tok, tmp_path / "c", num_workers=2, chunk_size=3, max_samples=7, progress=False)
+    assert info.n_samples == 7 and len(D.MemmapDataset(info.prefix, 16)) == 7
+    assert not D.memmap_is_fresh(info.prefix, pre_path, tok, max_samples=None)[0]  # a capped cache is not the full one
+
+
+def test_memmap_refuses_big_vocab_and_missing_files(tmp_path, pre_path, tok):
+    class Big:
+        vocab_size = 70_000
+
+    with pytest.raises(ValueError, match="vocab_size=70000 does not fit uint16"):
+        D.tokenize_to_memmap(pre_path, Big(), tmp_path / "c")
+    with pytest.raises(FileNotFoundError, match="jsonl file not found"):
+        D.tokenize_to_memmap(tmp_path / "none.jsonl", tok, tmp_path / "c")
+    with pytest.raises(FileNotFoundError, match="memmap metadata not found"):
+        D.MemmapDataset(tmp_path / "nothing", 16)
+
+
+def test_memmap_dataset_opens_lazily_and_pickles_without_mapping(tmp_path, pre_path, tok):
+    info = D.tokenize_to_memmap(pre_path, tok, tmp_path / "c", num_workers=0, progress=False)
+    mm = D.MemmapDataset(info.prefix, 32)
+    assert mm._tokens is None  # nothing mapped until the first read
+    first = mm[0]
+    assert mm._tokens is not None
+    clone = pickle.loads(pickle.dumps(mm))
+    assert clone._tokens is None and torch.equal(clone[0]["input_ids"], first["input_ids"])
+    loader = torch.utils.data.DataLoader(mm, batch_size=4, num_workers=1,
+                                         collate_fn=D.make_collator("longest", tok.pad_token_id))
+    assert sum(b["input_ids"].shape[0] for b in loader) == len(mm)
+
+
+# ---------------------------------------------------------------- collators
+
+
+def _samples(lengths):
+    return [{"input_ids": torch.arange(1, n + 1), "labels": torch.arange(1, n + 1)} for n in lengths]
+
+
+def test_pad_to_max_length_and_longest():
+    batch = _samples([3, 5, 2])
+    fixed = D.pad_to_max_length(batch, 8, pad_id=0)
+    longest = D.pad_to_longest(batch, pad_id=0)
+    assert fixed["input_ids"].shape == (3, 8) and longest["input_ids"].shape == (3, 5)
+    for out in (fixed, longest):
+        assert set(out) == {"input_ids", "labels", "attention_mask"}
+        assert all(v.dtype == torch.long for v in out.values())
+        assert out["attention_mask"].sum(1).tolist() == [3, 5, 2]
+        assert (out["labels"][out["attention_mask"] == 0] == -100).all()
+        assert (out["input_ids"][out["attention_mask"] == 0] == 0).all()
+    assert D.padding_fraction(fixed) == pytest.approx(1 - 10 / 24)
+    assert D.padding_fraction(longest) == pytest.approx(1 - 10 / 15)
+    assert D.trained_tokens(longest) == 2 + 4 + 1
+    assert D.pad_to_longest(batch, pad_to_multiple_of=4)["input_ids"].shape == (3, 8)
+    assert D.padding_fraction_of([3, 5, 2], batch_size=3) == pytest.approx(D.padding_fraction(longest))
+    assert D.padding_fraction_of([3, 5, 2], batch_size=3, max_length=8) == pytest.approx(D.padding_fraction(fixed))
+
+
+def test_collator_errors():
+    with pytest.raises(ValueError, match="sample 1 has 5 tokens, more than the padded length 4"):
+        D.pad_to_max_length(_samples([3, 5]), 4)
+    with pytest.raises(ValueError, match="empty batch"):
+        D.pad_to_longest([])
+    with pytest.raises(ValueError, match="strategy='max_length' needs max_length"):
+        D.make_collator("max_length")
+    with pytest.raises(ValueError, match="strategy='pack' is not valid"):
+        D.make_collator("pack")
+
+
+def test_make_collator_is_picklable():
+    fn = pickle.loads(pickle.dumps(D.make_collator("max_length", pad_id=0, max_length=6)))
+    assert fn(_samples([2, 3]))["input_ids"].shape == (2, 6)
+
+
+def test_measure_dataloader_reports_samples_per_s(pre_path, tok):
+    ds = D.PretrainDataset(pre_path, tok, 32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no TOKENIZERS_PARALLELISM fork warning or similar
+        r = D.measure_dataloader(ds, D.make_collator("longest", tok.pad_token_id), batch_size=4, epochs=1)
+    assert r["samples"] == len(ds) and r["samples_per_s"] > 0 and r["pin_memory"] == torch.cuda.is_available()
+
+
+def test_missing_source_names_both_options(tmp_path, tok):
+    with pytest.raises(FileNotFoundError, match="neither a jsonl file nor a memmap prefix"):
+        D.PretrainDataset(tmp_path / "cache" / "pretrain", tok, 32)
+
+
+def test_memmap_dataset_seq_len_is_independent(tmp_path, pre_path, tok):
+    info = D.tokenize_to_memmap(pre_path, tok, tmp_path / "c", num_workers=0, progress=False)
+    mm = D.MemmapDataset(info.prefix, 8)
+    ds = D.PretrainDataset(mm, tok, 16)
+    assert mm.lengths.max() == 8 and ds.lengths.max() == 16 and len(ds[0]["input_ids"]) == 16
