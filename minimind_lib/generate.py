@@ -1,0 +1,138 @@
+"""Sampling text from a MiniMind model: greedy, temperature, top-k, top-p, with a KV cache."""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import torch
+import torch.nn as nn
+
+
+def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
+                generator: torch.Generator | None = None) -> torch.Tensor:
+    """Pick one token per row from logits (B, V): greedy when temperature == 0, else filtered sampling."""
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if top_k < 0:
+        raise ValueError(f"top_k must be >= 0 (0 = off), got {top_k}")
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature
+    if top_k and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        # Keep the smallest set of most likely tokens whose probability reaches top_p (nucleus sampling).
+        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        drop = cum - sorted_logits.softmax(-1) >= top_p  # tokens entirely beyond the nucleus; the first stays
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    probs = logits.softmax(-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+@torch.no_grad()
+def generate_ids(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    max_new_tokens: int = 64,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: int | None = None,
+    use_cache: bool = True,
+    stop_token_ids: Iterable[int] | None = None,
+    stream: Callable[[int], None] | None = None,
+) -> torch.LongTensor:
+    """Extend input_ids (T,) or (1, T) by up to max_new_tokens; returns only the new ids, shape (1, n_new).
+
+    Stops after emitting a stop token (included in the result). `stream(token_id)` is called per new token.
+    With use_cache the prompt is run once and each step feeds one token plus the KV cache; without it the
+    whole sequence is re-run every step (slower, the same tokens: tests check it).
+    """
+    if input_ids.dim() == 1:
+        input_ids = input_ids[None]
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+        raise ValueError(f"generate_ids takes one sequence, (T,) or (1, T); got shape {tuple(input_ids.shape)}")
+    if input_ids.shape[1] == 0:
+        raise ValueError("generate_ids needs a non-empty prompt (at least one token, e.g. the bos token)")
+    device = next(model.parameters()).device
+    input_ids = input_ids.to(device)
+    max_pos = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if max_pos is not None:
+        max_new_tokens = min(max_new_tokens, max_pos - input_ids.shape[1])
+    stops = set(stop_token_ids or ())
+    generator = None
+    if seed is not None:
+        generator = torch.Generator(device=device).manual_seed(seed)
+    was_training = model.training
+    model.eval()
+    try:
+        new: list[int] = []
+        past, step_input, seq = None, input_ids, input_ids
+        for _ in range(max_new_tokens):
+            if use_cache:
+                out = model(step_input, past_key_values=past, use_cache=True, logits_to_keep=1)
+                past = out.past_key_values
+            else:
+                out = model(seq, logits_to_keep=1)
+            token = sample_next(out.logits[:, -1], temperature, top_p, top_k, generator)  # (1,)
+            tok = int(token)
+            new.append(tok)
+            if stream is not None:
+                stream(tok)
+            step_input = token[:, None]
+            seq = torch.cat([seq, step_input], dim=1)
+            if tok in stops:
+                break
+    finally:
+        model.train(was_training)
+    return torch.tensor([new], dtype=torch.long, device=device)
+
+
+def generate(
+    model: nn.Module,
+    tokenizer,
+    prompt: str,
+    max_new_tokens: int = 64,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: int | None = None,
+    use_cache: bool = True,
+    stop_token_ids: Iterable[int] | None = None,
+    stream: Callable[[str], None] | None = None,
+    add_bos: bool = True,
+) -> str:
+    """Continue `prompt` and return the decoded new text (greedy when temperature == 0).
+
+    stop_token_ids defaults to the tokenizer's eos token. `stream(text_piece)` receives the text as it grows
+    (decoded incrementally, so multi-byte characters arrive whole).
+    """
+    ids = tokenizer.encode(prompt, add_special_tokens=False)
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if add_bos and bos is not None and (not ids or ids[0] != bos):
+        ids = [bos] + ids  # the pretraining samples start with bos
+    if stop_token_ids is None:
+        eos = getattr(tokenizer, "eos_token_id", None)
+        stop_token_ids = [] if eos is None else [eos]
+    stream_cb = None
+    if stream is not None:
+        emitted: list[int] = []
+        printed = [""]
+
+        def stream_cb(tok: int) -> None:
+            emitted.append(tok)
+            text = tokenizer.decode(emitted, skip_special_tokens=True)
+            if text.endswith("\ufffd"):  # an unfinished UTF-8 character: wait for its next byte
+                return
+            piece, printed[0] = text[len(printed[0]):], text
+            if piece:
+                stream(piece)
+
+    new = generate_ids(model, torch.tensor(ids, dtype=torch.long), max_new_tokens, temperature, top_p, top_k,
+                       seed, use_cache, stop_token_ids, stream_cb)
+    return tokenizer.decode(new[0].tolist(), skip_special_tokens=True)

@@ -1,0 +1,319 @@
+"""Memory: measure it (MemoryMeter, same API on CUDA and CPU), impose a budget, and predict it (estimate_memory).
+
+On CUDA the caching allocator keeps exact counters (``torch.cuda.max_memory_allocated``). A CPU has no such
+counters, so on CPU the meter asks PyTorch itself: inside ``with meter.track(...)`` a TorchDispatchMode sees
+every op's output tensors, records each new storage's bytes, and subtracts them when the storage is freed
+(a weakref callback). Tensors that existed before tracking (parameters, gradients, optimizer states, the
+batch) are registered by walking the objects passed to ``track``. No RSS guesswork: the numbers are live
+tensor bytes, the same quantity ``torch.cuda.memory_allocated`` reports (minus the allocator's rounding).
+MPS is measured the same way as the CPU. What the meter cannot see: scratch memory inside one kernel, and
+tensors created outside ``track`` that were not passed to it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import weakref
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import torch
+import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+_OOMBase = getattr(torch, "OutOfMemoryError", RuntimeError)
+
+
+class OutOfMemory(_OOMBase):
+    """Raised when tracked live bytes exceed a MemoryMeter's budget (a torch.OutOfMemoryError where it exists)."""
+
+
+def _fmt(n: int) -> str:
+    """Bytes as a short human string."""
+    return f"{n / 2**20:.1f} MiB" if n < 2**30 else f"{n / 2**30:.2f} GiB"
+
+
+class _LiveBytes(TorchDispatchMode):
+    """Counts the bytes of live CPU/MPS storages created by ops (and registered tensors); raises past a budget."""
+
+    def __init__(self, meter: "MemoryMeter"):
+        super().__init__()
+        self.meter = meter
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        meter = self.meter
+        before = meter._current
+        # Fast paths for the common shapes of op outputs (a tensor, a flat tuple/list); pytree for the rest.
+        if isinstance(out, torch.Tensor):
+            meter._add(out)
+        elif isinstance(out, (tuple, list)) and all(isinstance(t, torch.Tensor) or t is None for t in out):
+            for t in out:
+                if t is not None:
+                    meter._add(t)
+        else:
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor):
+                    meter._add(t)
+        if meter._current > before:
+            if meter._current > meter._peak:
+                meter._peak = meter._current
+            if meter.budget_bytes is not None and meter._current > meter.budget_bytes:
+                request = meter._current - before
+                raise OutOfMemory(
+                    f"{meter.device.type.upper()} out of memory (MemoryMeter budget): {func} tried to allocate "
+                    f"{request} bytes ({_fmt(request)}); live {meter._current} bytes ({_fmt(meter._current)}) "
+                    f"exceeds the budget of {meter.budget_bytes} bytes ({_fmt(meter.budget_bytes)})"
+                )
+        return out
+
+
+class MemoryMeter:
+    """Current and peak memory of one device; on CPU measured inside ``with meter.track(model, optimizer):``.
+
+    budget_bytes: on CUDA, ``torch.cuda.set_per_process_memory_fraction(budget / total)`` (the allocator raises
+    torch.OutOfMemoryError); on CPU, ``OutOfMemory`` is raised by the first op whose output takes tracked live
+    bytes over the budget.
+    """
+
+    def __init__(self, device: torch.device | str = "cpu", budget_bytes: int | None = None):
+        self.device = torch.device(device)
+        self.is_cuda = self.device.type == "cuda"
+        self.budget_bytes = None
+        self._storages: dict[int, tuple[weakref.ref, int]] = {}  # StorageImpl address -> (weakref, nbytes)
+        self._current = 0
+        self._peak = 0
+        self.set_budget(budget_bytes)
+
+    # -- budget ------------------------------------------------------------------------------------------------
+    def set_budget(self, budget_bytes: int | None) -> None:
+        """Impose (or with None lift) a memory budget on this device."""
+        if budget_bytes is not None and budget_bytes <= 0:
+            raise ValueError(f"budget_bytes must be positive or None, got {budget_bytes}")
+        self.budget_bytes = budget_bytes
+        if self.is_cuda:
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            fraction = 1.0 if budget_bytes is None else min(1.0, budget_bytes / total)
+            torch.cuda.set_per_process_memory_fraction(fraction, self.device)
+
+    # -- bookkeeping on CPU ------------------------------------------------------------------------------------
+    def _add(self, t: torch.Tensor) -> None:
+        if t.device.type != self.device.type or t.is_sparse:
+            return
+        try:
+            st = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # tensors without a storage (e.g. some subclasses)
+            return
+        key = st._cdata
+        if key in self._storages:
+            return
+        nbytes = st.nbytes()
+        if nbytes == 0:
+            return
+        self._storages[key] = (weakref.ref(st, lambda _ref, key=key: self._free(key)), nbytes)
+        self._current += nbytes
+
+    def _free(self, key: int) -> None:
+        entry = self._storages.pop(key, None)
+        if entry is not None:
+            self._current -= entry[1]
+
+    def register(self, *objs: Any) -> None:
+        """Count tensors that exist already: modules (params, buffers, grads), optimizers, tensors, containers."""
+        before = self._current
+        for obj in objs:
+            for t in _tensors_of(obj):
+                self._add(t)
+        self._peak = max(self._peak, self._current)
+        if self.budget_bytes is not None and self._current > self.budget_bytes and self._current > before:
+            raise OutOfMemory(
+                f"CPU out of memory (MemoryMeter budget): registered tensors need {self._current} bytes "
+                f"({_fmt(self._current)}), over the budget of {self.budget_bytes} bytes ({_fmt(self.budget_bytes)})"
+            )
+
+    @contextmanager
+    def track(self, *objs: Any) -> Iterator["MemoryMeter"]:
+        """Measure the code inside; `objs` (model, optimizer, batch tensors) are walked first so they count.
+
+        Pass the model and optimizer on every call (a training loop does): their gradients and optimizer
+        states may have been created since the last call. On CUDA this just yields (the allocator counts).
+        """
+        if self.is_cuda:
+            yield self
+            return
+        self.register(*objs)
+        with _LiveBytes(self):
+            yield self
+
+    # -- readings ----------------------------------------------------------------------------------------------
+    def reset_peak(self) -> None:
+        """Start a new peak window at the current level."""
+        if self.is_cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            self._peak = self._current
+
+    def current(self) -> int:
+        """Bytes live now (CUDA: allocated; CPU: tracked live tensor bytes)."""
+        return torch.cuda.memory_allocated(self.device) if self.is_cuda else self._current
+
+    def peak(self) -> int:
+        """Highest current() since the last reset_peak()."""
+        return torch.cuda.max_memory_allocated(self.device) if self.is_cuda else self._peak
+
+    def reserved(self) -> int:
+        """Bytes the CUDA caching allocator holds (on CPU: same as current(); there is no cache)."""
+        return torch.cuda.memory_reserved(self.device) if self.is_cuda else self._current
+
+    def stats(self) -> dict:
+        """current, peak, reserved and budget in bytes, for a metrics row."""
+        return {"current_bytes": self.current(), "peak_bytes": self.peak(), "reserved_bytes": self.reserved(),
+                "budget_bytes": self.budget_bytes}
+
+    def __repr__(self) -> str:
+        return (f"MemoryMeter(device={self.device}, current={_fmt(self.current())}, peak={_fmt(self.peak())}, "
+                f"budget={None if self.budget_bytes is None else _fmt(self.budget_bytes)})")
+
+
+def _tensors_of(obj: Any) -> Iterator[torch.Tensor]:
+    """Every tensor a module, optimizer, tensor or (nested) container holds right now."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+        if obj.grad is not None:
+            yield obj.grad
+    elif isinstance(obj, nn.Module):
+        for p in obj.parameters():
+            yield p
+            if p.grad is not None:
+                yield p.grad
+        yield from obj.buffers()
+    elif isinstance(obj, torch.optim.Optimizer):
+        for group in obj.param_groups:
+            for p in group["params"]:
+                yield from _tensors_of(p)
+        for state in obj.state.values():
+            yield from (v for v in state.values() if isinstance(v, torch.Tensor))
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors_of(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors_of(v)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Prediction
+
+_AMP_BYTES = {"off": 4, "bf16": 2, "fp16": 2}
+_OPT_STATES = {"adamw": 2, "adam": 2, "sgd": 0, "sgd_momentum": 1}
+
+
+def estimate_memory(config, batch: int, seq: int, amp: str = "off", optimizer: str = "adamw") -> dict:
+    """Predict the bytes of one training step (fwd + bwd + optimizer) of a MiniMind model, analytically.
+
+    Counts (N = batch*seq tokens, C hidden, F ffn width, V vocab, P parameters, s = activation bytes, 4 or 2):
+    - params 4P (fp32 master weights) and the RoPE tables 2 * max_pos * head_dim * 4; grads 4P;
+      AdamW's exp_avg and exp_avg_sq 8P (SGD 0, momentum 4P). Under autocast add 2P of low-precision weight copies.
+    - activations saved for backward, per layer (read off the forward code with saved_tensors_hooks):
+      each of the two RMSNorms saves its input x and the normalised x (fp32, for the gain's gradient), and the
+      projection after it saves the norm's output (s bytes): 2 * (4 + 4 + s) NC; attention saves q, the
+      repeated k and v and its output (4NC * s; k and v are N*n_kv*D each when not repeated); SwiGLU saves
+      gate, silu(gate), up and their product (4NF * s). The final norm adds (4 + 4 + s) NC.
+    - the head: the logits (NV * s, held by the caller), cross-entropy's fp32 log-softmax (4NV), and at the
+      start of backward the gradients of the log-probs and of the logits (2 * 4NV) while those still live.
+    The peak is the larger of: the start of backward (params + buffers + optimizer states of earlier steps
+    + activations + head), and the optimizer step (params + grads + states). Ignored: kernel-internal
+    workspaces, the allocator's rounding, transients inside backward, small bookkeeping tensors (RMSNorm's
+    per-row rsqrt, attention's logsumexp). fp32 is checked against MemoryMeter measurements in
+    tests/test_memory.py (within 1-3% for the presets); under autocast the count is rougher (it reads 3-8% low
+    at large batches: some CPU ops keep fp32 activations).
+    """
+    if amp not in _AMP_BYTES:
+        raise ValueError(f"amp must be one of {sorted(_AMP_BYTES)}, got {amp!r}")
+    if optimizer not in _OPT_STATES:
+        raise ValueError(f"optimizer must be one of {sorted(_OPT_STATES)}, got {optimizer!r}")
+    if batch <= 0 or seq <= 0:
+        raise ValueError(f"batch and seq must be positive, got batch={batch}, seq={seq}")
+    c = config
+    n, C, F, V, L = batch * seq, c.hidden_size, c.intermediate_size, c.vocab_size, c.num_hidden_layers
+    s = _AMP_BYTES[amp]
+    kv = c.num_key_value_heads * c.head_dim
+    P = (V * C  # tied embedding / lm_head
+         + L * (2 * C * C + 2 * C * kv + 3 * C * F + 2 * C)  # q,o + k,v + gate,up,down + 2 norms
+         + C)  # final norm
+    params = 4 * P
+    buffers = 2 * c.max_position_embeddings * c.head_dim * 4
+    grads = 4 * P
+    opt_states = _OPT_STATES[optimizer] * 4 * P
+    amp_weight_copies = 0 if amp == "off" else 2 * P
+    kv_saved = 2 * n * (C if c.num_attention_heads != c.num_key_value_heads else kv)
+    norm_saved = n * C * (4 + 4 + s)  # input, normalised input (fp32), output as the next matmul's input
+    per_layer = 2 * norm_saved + (2 * n * C + kv_saved + 4 * n * F) * s
+    activations = L * per_layer + norm_saved
+    head = n * V * s + n * V * 4 + 2 * n * V * 4
+    backward_start = params + buffers + opt_states + amp_weight_copies + activations + head
+    optimizer_step = params + buffers + grads + opt_states
+    return {
+        "params_bytes": params,
+        "buffers_bytes": buffers,
+        "grads_bytes": grads,
+        "optimizer_bytes": opt_states,
+        "amp_weight_copies_bytes": amp_weight_copies,
+        "activations_bytes": activations,
+        "head_bytes": head,
+        "peak_bytes": max(backward_start, optimizer_step),
+        "n_params": P,
+    }
+
+
+def measure_step_memory(config, batch: int, seq: int, amp: str = "off", optimizer: str = "adamw",
+                        device: torch.device | str = "cpu", fake: bool = False, seed: int = 0) -> dict:
+    """Measure one steady-state training step (fwd + bwd + optimizer step) of a fresh model with a MemoryMeter.
+
+    The optimizer states are created first by a step on zero gradients (what the first real step would
+    create), so the measured step sees them, as every later step of a run does. With fake=True the step runs
+    on FakeTensors (shapes and storages only: no arithmetic, no real memory), which gives the same count for
+    sizes this machine could not hold. amp autocasts the forward (no GradScaler: it does not change memory).
+    Returns peak_bytes, current_bytes (after the step), n_params and the inputs.
+    """
+    from .model import MiniMindForCausalLM, lm_loss  # here, not at the top: model.py does not need memory.py
+
+    if amp not in _AMP_BYTES:
+        raise ValueError(f"amp must be one of {sorted(_AMP_BYTES)}, got {amp!r}")
+    optimizers = {"adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-3), "adam": lambda ps: torch.optim.Adam(ps, lr=1e-3),
+                  "sgd": lambda ps: torch.optim.SGD(ps, lr=1e-3),
+                  "sgd_momentum": lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9)}
+    if optimizer not in optimizers:
+        raise ValueError(f"optimizer must be one of {sorted(optimizers)}, got {optimizer!r}")
+    device = torch.device("cpu") if fake else torch.device(device)  # fake tensors: bytes are device-independent
+    if fake:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        mode = FakeTensorMode()
+    else:
+        mode = contextlib.nullcontext()
+    meter = MemoryMeter(device)
+    with mode:
+        torch.manual_seed(seed)
+        model = MiniMindForCausalLM(config) if fake else MiniMindForCausalLM(config).to(device)
+        opt = optimizers[optimizer]([p for p in model.parameters()])
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        opt.step()  # creates the optimizer states, as the first step of a run would
+        opt.zero_grad(set_to_none=True)
+        x = torch.randint(0, config.vocab_size, (batch, seq), device=device)
+        meter.reset_peak()
+        with meter.track(model, opt, x):
+            with torch.autocast(device.type, dtype=torch.float16 if amp == "fp16" else torch.bfloat16,
+                                enabled=amp != "off"):
+                logits = model(x).logits
+            lm_loss(logits, x).backward()
+            del logits
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        result = {"peak_bytes": int(meter.peak()), "current_bytes": int(meter.current()),
+                  "n_params": sum(p.numel() for p in model.parameters()), "batch": batch, "seq": seq, "amp": amp,
+                  "optimizer": optimizer, "device": device.type, "fake": fake}
+    return result

@@ -1,0 +1,487 @@
+"""The MiniMind2 language model in one file: config, RMSNorm, RoPE, GQA attention, SwiGLU, blocks, checkpoints.
+
+Written to be read top to bottom (in the spirit of nanoGPT). The architecture and the parameter names are
+exactly MiniMind2's (see DESIGN.md), so a MiniMind ``.pth`` state dict loads with ``load_state_dict(strict=True)``
+and produces the same logits as MiniMind's own code.
+
+    x -> embed_tokens -> [ x + attn(norm(x)); x + mlp(norm(x)) ] * L -> norm -> lm_head (tied to embed_tokens)
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+import warnings
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+# ----------------------------------------------------------------------------------------------------------------
+# Configuration
+
+
+@dataclass
+class MiniMindConfig:
+    """Hyper-parameters of a MiniMind model; the defaults are MiniMind2-small (25,829,888 parameters)."""
+
+    hidden_size: int = 512
+    num_hidden_layers: int = 8
+    num_attention_heads: int = 8
+    num_key_value_heads: int = 2
+    vocab_size: int = 6400
+    intermediate_size: int | None = None  # None: 64 * ceil(int(hidden * 8 / 3) / 64), MiniMind's rule (1408 for 512)
+    rope_theta: float = 1e6
+    rms_norm_eps: float = 1e-5
+    max_position_embeddings: int = 32768
+    dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.intermediate_size is None:
+            self.intermediate_size = 64 * math.ceil(int(self.hidden_size * 8 / 3) / 64)
+        if self.hidden_size % self.num_attention_heads != 0:
+            raise ValueError(
+                f"hidden_size={self.hidden_size} is not divisible by num_attention_heads={self.num_attention_heads}"
+            )
+        if self.num_attention_heads % self.num_key_value_heads != 0:
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads} (grouped-query attention needs whole groups)"
+            )
+        if (self.hidden_size // self.num_attention_heads) % 2 != 0:
+            raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
+
+    @property
+    def head_dim(self) -> int:
+        """Width of one attention head."""
+        return self.hidden_size // self.num_attention_heads
+
+    @classmethod
+    def preset(cls, name: str, **overrides) -> "MiniMindConfig":
+        """A named configuration: 'minimind2-small', 'cpu' or 'smoke' (plus optional field overrides)."""
+        if name not in PRESETS:
+            raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}")
+        return cls(**{**PRESETS[name], **overrides})
+
+    def to_dict(self) -> dict:
+        """The config as a plain JSON-ready dict."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "MiniMindConfig":
+        """Inverse of to_dict; unknown keys are an error (they would otherwise be silently ignored)."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown MiniMindConfig field(s) {unknown}; known fields: {sorted(known)}")
+        return cls(**d)
+
+
+PRESETS: dict[str, dict] = {
+    # MiniMind2-small exactly (head_dim 64, FFN 1408): 25,829,888 parameters.
+    "minimind2-small": dict(),
+    # Trains visibly in minutes on a laptop CPU; keeps MiniMind's head_dim 64 and 4:1 query:kv head ratio.
+    "cpu": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=1,
+                max_position_embeddings=2048),
+    # Tiny, for CI: seconds per notebook. Still grouped-query (4 query heads share 2 kv heads).
+    "smoke": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=2048),
+}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Building blocks
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm, computed in float32 and cast back before the gain (as MiniMind does)."""
+
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x)
+
+
+def precompute_freqs_cis(head_dim: int, end: int, theta: float = 1e6) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables of shape (end, head_dim): position t, pair i rotates by angle t / theta^(2i/d)."""
+    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2)[: head_dim // 2].float() / head_dim))
+    angles = torch.outer(torch.arange(end).float(), freqs)  # (end, head_dim/2)
+    # MiniMind's "rotate half" layout: both halves of the head use the same frequencies.
+    return torch.cat([angles.cos(), angles.cos()], dim=-1), torch.cat([angles.sin(), angles.sin()], dim=-1)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """(x1, x2) -> (-x2, x1) on the two halves of the last dimension."""
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """Rotate q and k of shape (B, T, H, D) by cos/sin of shape (B, T, D) or (T, D)."""
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """(B, T, n_kv, D) -> (B, T, n_kv * n_rep, D): each key/value head serves n_rep query heads (GQA)."""
+    if n_rep == 1:
+        return x
+    b, t, n_kv, d = x.shape
+    return x[:, :, :, None, :].expand(b, t, n_kv, n_rep, d).reshape(b, t, n_kv * n_rep, d)
+
+
+def build_attention_mask(
+    attention_mask: torch.Tensor | None, batch: int, q_len: int, past_len: int, device: torch.device
+) -> torch.Tensor | None:
+    """The boolean (B, 1, T, past+T) mask for SDPA (True = may attend), or None when plain causal suffices.
+
+    - no mask (or a padding mask without padding), no cache: None (SDPA's is_causal=True is faster).
+    - (B, past+T) padding mask (1 = real token): causal with offset AND key is real.
+    - (B, 1, T, past+T) bool block mask (packed documents): used as given.
+    A query row with no allowed key (a pad row) attends to itself, so SDPA never produces NaN there.
+    """
+    k_len = past_len + q_len
+    if attention_mask is None:
+        if past_len == 0 or q_len == 1:
+            return None  # causal, or one new token that may see everything before it
+        mask = None
+    elif attention_mask.dim() == 2:
+        if attention_mask.shape != (batch, k_len):
+            raise ValueError(
+                f"padding attention_mask has shape {tuple(attention_mask.shape)}, expected (batch, past+seq) = "
+                f"({batch}, {k_len})"
+            )
+        if past_len == 0 and bool(attention_mask.all()):
+            return None  # no padding in this batch: keep SDPA's fast is_causal path
+        mask = attention_mask.bool()[:, None, None, :]  # (B, 1, 1, K)
+    elif attention_mask.dim() == 4:
+        if attention_mask.dtype != torch.bool:
+            raise ValueError(f"a 4-D attention_mask must be bool (True = may attend), got {attention_mask.dtype}")
+        if attention_mask.shape[0] != batch or attention_mask.shape[-2:] != (q_len, k_len):
+            raise ValueError(
+                f"block attention_mask has shape {tuple(attention_mask.shape)}, expected "
+                f"({batch}, 1, {q_len}, {k_len})"
+            )
+        return attention_mask | _eye_offset(q_len, k_len, past_len, device)  # pad rows attend to themselves
+    else:
+        raise ValueError(
+            f"attention_mask must be (B, T) padding or (B, 1, T, T) bool, got shape {tuple(attention_mask.shape)}"
+        )
+    q_pos = torch.arange(past_len, k_len, device=device)[:, None]
+    causal = torch.arange(k_len, device=device)[None, :] <= q_pos  # (T, K): query i sees keys 0..past+i
+    allowed = causal if mask is None else causal & mask
+    return allowed | _eye_offset(q_len, k_len, past_len, device)  # self, so no row is empty
+
+
+def _eye_offset(q_len: int, k_len: int, offset: int, device) -> torch.Tensor:
+    """(q_len, k_len) bool with True at (i, i + offset)."""
+    return torch.arange(k_len, device=device)[None, :] == (torch.arange(q_len, device=device)[:, None] + offset)
+
+
+class Attention(nn.Module):
+    """Multi-head self-attention with grouped-query heads, RoPE and an optional KV cache."""
+
+    def __init__(self, config: MiniMindConfig):
+        super().__init__()
+        self.n_heads = config.num_attention_heads
+        self.n_kv_heads = config.num_key_value_heads
+        self.n_rep = self.n_heads // self.n_kv_heads
+        self.head_dim = config.head_dim
+        self.q_proj = nn.Linear(config.hidden_size, self.n_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(config.hidden_size, self.n_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(config.hidden_size, self.n_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, config.hidden_size, bias=False)
+        self.dropout = config.dropout
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x, cos, sin, mask=None, past_key_value=None, use_cache=False):
+        """x (B, T, C) -> (B, T, C), plus the (k, v) cache of shape (B, past+T, n_kv, D) when use_cache."""
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(b, t, self.n_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(b, t, self.n_kv_heads, self.head_dim)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)  # before the transpose, as in MiniMind
+        if past_key_value is not None:
+            k = torch.cat([past_key_value[0], k], dim=1)
+            v = torch.cat([past_key_value[1], v], dim=1)
+        present = (k, v) if use_cache else None
+        # (B, H, T, D) for SDPA; the kv heads are repeated to match the query heads.
+        q = q.transpose(1, 2)
+        k = repeat_kv(k, self.n_rep).transpose(1, 2)
+        v = repeat_kv(v, self.n_rep).transpose(1, 2)
+        dropout_p = self.dropout if self.training else 0.0
+        if mask is None and past_key_value is None:
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
+        y = y.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim)
+        return self.resid_dropout(self.o_proj(y)), present
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: MiniMindConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))
+
+
+class MiniMindBlock(nn.Module):
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, config: MiniMindConfig):
+        super().__init__()
+        self.self_attn = Attention(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = FeedForward(config)
+
+    def forward(self, x, cos, sin, mask=None, past_key_value=None, use_cache=False):
+        h, present = self.self_attn(self.input_layernorm(x), cos, sin, mask, past_key_value, use_cache)
+        x = x + h
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, present
+
+
+class MiniMindModel(nn.Module):
+    """Embeddings, the stack of blocks and the final norm (MiniMind's ``model.*`` keys)."""
+
+    def __init__(self, config: MiniMindConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.dropout = nn.Dropout(config.dropout)
+        self.layers = nn.ModuleList([MiniMindBlock(config) for _ in range(config.num_hidden_layers)])
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        cos, sin = precompute_freqs_cis(config.head_dim, config.max_position_embeddings, config.rope_theta)
+        # Not persistent: MiniMind's checkpoints do not contain them (they are recomputed from the config).
+        self.register_buffer("freqs_cos", cos, persistent=False)
+        self.register_buffer("freqs_sin", sin, persistent=False)
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False):
+        """input_ids (B, T) -> hidden states (B, T, C) and the new KV cache (list of (k, v) per layer, or None)."""
+        b, t = input_ids.shape
+        past_len = past_key_values[0][0].shape[1] if past_key_values else 0
+        if position_ids is None:
+            if past_len + t > self.config.max_position_embeddings:
+                raise ValueError(
+                    f"sequence of {past_len + t} tokens exceeds max_position_embeddings="
+                    f"{self.config.max_position_embeddings}"
+                )
+            cos = self.freqs_cos[past_len : past_len + t]
+            sin = self.freqs_sin[past_len : past_len + t]
+        else:
+            # Packed rows restart positions at every document: look each position up in the table.
+            if position_ids.shape[-1] != t:
+                raise ValueError(f"position_ids has shape {tuple(position_ids.shape)}, expected (B, {t}) or ({t},)")
+            if int(position_ids.max()) >= self.config.max_position_embeddings or int(position_ids.min()) < 0:
+                raise ValueError(
+                    f"position_ids range [{int(position_ids.min())}, {int(position_ids.max())}] is outside "
+                    f"[0, max_position_embeddings={self.config.max_position_embeddings})"
+                )
+            cos, sin = self.freqs_cos[position_ids], self.freqs_sin[position_ids]
+        mask = build_attention_mask(attention_mask, b, t, past_len, input_ids.device)
+        x = self.dropout(self.embed_tokens(input_ids))
+        presents = [] if use_cache else None
+        for i, layer in enumerate(self.layers):
+            x, present = layer(x, cos, sin, mask, past_key_values[i] if past_key_values else None, use_cache)
+            if use_cache:
+                presents.append(present)
+        return self.norm(x), presents
+
+
+@dataclass
+class CausalLMOutput:
+    """What MiniMindForCausalLM.forward returns."""
+
+    logits: torch.Tensor
+    loss: torch.Tensor | None = None
+    past_key_values: list | None = None
+
+
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Next-token cross-entropy in float32: logits[:, t] predicts labels[:, t+1]; -100 labels are ignored."""
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+    if logits.shape[:2] != labels.shape:
+        raise ValueError(f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)} disagree on (B, T)")
+    # Shift the labels, not the logits: slicing logits[:, :-1] and flattening would copy all B*T*V of them.
+    # The last position has no next token, so it gets the ignored label -100.
+    targets = F.pad(labels[:, 1:], (0, 1), value=-100).reshape(-1)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets, ignore_index=-100,
+                           reduction=reduction)
+
+
+class MiniMindForCausalLM(nn.Module):
+    """MiniMind2: the model plus the language-model head, whose weight is the embedding matrix (tied)."""
+
+    def __init__(self, config: MiniMindConfig | None = None):
+        super().__init__()
+        self.config = config or MiniMindConfig()
+        self.model = MiniMindModel(self.config)
+        self.lm_head = nn.Linear(self.config.hidden_size, self.config.vocab_size, bias=False)
+        self.lm_head.weight = self.model.embed_tokens.weight  # tied: one matrix, two keys in the state dict
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        # nanoGPT's init (normal, std 0.02): an untrained model predicts ~uniformly, loss ~ ln(vocab).
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        past_key_values: list | None = None,
+        use_cache: bool = False,
+        logits_to_keep: int = 0,
+    ) -> CausalLMOutput:
+        """Logits (B, T, V); loss (mean over non -100 shifted labels) when labels are given; KV cache if asked."""
+        h, presents = self.model(input_ids, attention_mask, position_ids, past_key_values, use_cache)
+        if logits_to_keep:  # generation only needs the last position(s)
+            h = h[:, -logits_to_keep:]
+        logits = self.lm_head(h)
+        loss = lm_loss(logits, labels) if labels is not None else None
+        return CausalLMOutput(logits=logits, loss=loss, past_key_values=presents)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Parameter counting
+
+
+def count_parameters(model: nn.Module) -> dict:
+    """Unique parameters per component: embeddings (tied with lm_head), attention, mlp, norms, total."""
+    counts = {"embeddings": 0, "attention": 0, "mlp": 0, "norms": 0, "other": 0}
+    seen = set()
+    for name, p in model.named_parameters():  # named_parameters already yields a tied weight once
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        if "embed_tokens" in name or "lm_head" in name:
+            part = "embeddings"
+        elif "self_attn" in name:
+            part = "attention"
+        elif ".mlp." in name:
+            part = "mlp"
+        elif "norm" in name:
+            part = "norms"
+        else:
+            part = "other"
+        counts[part] += p.numel()
+    if counts["other"] == 0:
+        del counts["other"]
+    counts["total"] = sum(counts.values())
+    return counts
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Checkpoints (a checkpoint is untrusted input: weights_only=True, never arbitrary unpickling)
+
+_STRIP_PREFIXES = ("module.", "_orig_mod.")  # added by DistributedDataParallel and torch.compile
+_ROTARY_KEYS = ("model.freqs_cos", "model.freqs_sin", "freqs_cos", "freqs_sin")  # recomputed, never loaded
+
+
+def save_checkpoint(state_dict_or_model, path) -> Path:
+    """Write a state dict (or a model's) atomically: temp file in the same folder, fsync, os.replace."""
+    state = state_dict_or_model.state_dict() if isinstance(state_dict_or_model, nn.Module) else state_dict_or_model
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)  # atomic: a reader sees the old file or the new one, never half of one
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def _clean_state_dict(state: dict, path) -> dict:
+    """Strip DDP/compile prefixes and rotary buffers, refill a missing tied lm_head; warn about each change."""
+    is_training_checkpoint = isinstance(state.get("model"), dict) and not any(
+        isinstance(v, torch.Tensor) for v in state.values())
+    if is_training_checkpoint:
+        warnings.warn(f"{path}: a training checkpoint; using its 'model' entry", stacklevel=3)
+        state = state["model"]
+    stripped = True
+    while stripped:  # prefixes can nest in either order: module._orig_mod.x, _orig_mod.module.x
+        stripped = False
+        for prefix in _STRIP_PREFIXES:
+            n = sum(k.startswith(prefix) for k in state)
+            if n:
+                warnings.warn(f"{path}: stripped prefix {prefix!r} from {n} keys (DDP / torch.compile)", stacklevel=3)
+                state = {(k[len(prefix):] if k.startswith(prefix) else k): v for k, v in state.items()}
+                stripped = True
+    dropped = [k for k in state if k in _ROTARY_KEYS]
+    if dropped:
+        warnings.warn(f"{path}: ignored rotary tables {dropped} (recomputed from the config)", stacklevel=3)
+        state = {k: v for k, v in state.items() if k not in _ROTARY_KEYS}
+    if "lm_head.weight" not in state and "model.embed_tokens.weight" in state:
+        warnings.warn(f"{path}: no lm_head.weight; using the tied model.embed_tokens.weight", stacklevel=3)
+        state = {**state, "lm_head.weight": state["model.embed_tokens.weight"]}
+    return state
+
+
+def check_state_dict(state: dict, model: nn.Module, path="state dict") -> None:
+    """Raise a ValueError naming the first missing, unexpected or mis-shaped key (vocab size said plainly)."""
+    expected = model.state_dict()
+    emb = state.get("model.embed_tokens.weight")
+    vocab = expected["model.embed_tokens.weight"].shape[0]
+    if isinstance(emb, torch.Tensor) and emb.dim() == 2 and emb.shape[0] != vocab:
+        raise ValueError(
+            f"{path}: vocab size mismatch: checkpoint has {emb.shape[0]} tokens (model.embed_tokens.weight "
+            f"{list(emb.shape)}), the model has vocab_size={vocab}"
+        )
+    for key in expected:
+        if key not in state:
+            raise ValueError(f"{path}: missing key {key!r} (and {sum(k not in state for k in expected) - 1} more)")
+    for key in state:
+        if key not in expected:
+            raise ValueError(f"{path}: unexpected key {key!r} (and {sum(k not in expected for k in state) - 1} more)")
+    for key, want in expected.items():
+        got = state[key]
+        if not isinstance(got, torch.Tensor):
+            raise ValueError(f"{path}: key {key!r} holds a {type(got).__name__}, not a tensor")
+        if got.shape != want.shape:
+            raise ValueError(f"{path}: shape mismatch at {key!r}: expected {list(want.shape)}, got {list(got.shape)}")
+
+
+def load_checkpoint(path, model: nn.Module | None = None, map_location="cpu") -> dict:
+    """Load a state dict (ours or MiniMind's bare .pth) with weights_only=True; load it strictly into `model` if given.
+
+    Returns the cleaned state dict. Prefixes 'module.' / '_orig_mod.' are stripped with a warning.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint not found: {path}")
+    try:
+        state = torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as e:  # truncated file, not a torch file, or pickled objects weights_only refuses
+        raise ValueError(f"cannot read checkpoint {path}: {type(e).__name__}: {str(e).splitlines()[0][:300]}") from e
+    if not isinstance(state, dict):
+        raise ValueError(f"checkpoint {path} holds a {type(state).__name__}, not a state dict")
+    state = _clean_state_dict(state, path)
+    if model is not None:
+        check_state_dict(state, model, path)
+        model.load_state_dict(state, strict=True)
+    return state
