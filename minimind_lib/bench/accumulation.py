@@ -1,0 +1,176 @@
+"""Benchmark: exact token-weighted gradient accumulation vs one big batch, and what accumulation costs in memory.
+
+`python -m minimind_lib.bench accumulation --json` prints grad_max_rel_err (k token-weighted micro-batches vs
+one batch of the same samples), naive_grad_max_rel_err (MiniMind's per-micro-batch mean / k), and the peak
+memory of one optimizer step without (peak_bytes_accum1) and with (peak_bytes_accumK) accumulation, on
+samples of data/ (varied lengths) when it exists, else on synthetic token ids of varied lengths.
+The helpers here are what notebook 04 imports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from ..train import accumulate_step, build_optimizer, resolve_amp, TrainConfig
+
+
+def synthetic_samples(n: int, *, vocab_size: int = 6400, min_len: int = 8, max_len: int = 128,
+                      seed: int = 0) -> list[dict]:
+    """`n` pretrain-style samples of random token ids with lengths spread over [min_len, max_len]."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        length = int(torch.randint(min_len, max_len + 1, (1,), generator=g))
+        ids = torch.randint(3, vocab_size, (length,), generator=g)
+        out.append({"input_ids": ids, "labels": ids.clone()})
+    return out
+
+
+def load_samples(profile, n: int, *, seed: int = 0) -> tuple[list[dict], str]:
+    """`n` pretrain samples drawn at random (seeded) from data/pretrain.jsonl, else synthetic ones.
+
+    Drawn from a pool of 8n so that lengths vary (a contiguous run of long documents would all be cut to
+    profile.seq_len). Returns (samples, source) where source names the file or says "synthetic".
+    """
+    from ..paths import ASSETS_DIR, DATA_DIR
+
+    path = DATA_DIR / "pretrain.jsonl"
+    if path.is_file() and (ASSETS_DIR / "tokenizer" / "tokenizer.json").is_file():
+        from ..data import PretrainDataset
+        from ..tokenizer import load_tokenizer
+
+        ds = PretrainDataset(path, load_tokenizer(), profile.seq_len, max_samples=max(8 * n, 256))
+        if len(ds) >= n:
+            pick = torch.randperm(len(ds), generator=torch.Generator().manual_seed(seed))[:n]
+            return [ds[int(i)] for i in pick], f"data/{path.name}"
+    return synthetic_samples(n, max_len=profile.seq_len, seed=seed), "synthetic"
+
+
+def collate(samples: Sequence[dict]) -> dict:
+    """Pad samples to the longest row (data.pad_to_longest: pads get label -100 and attention_mask 0)."""
+    from ..data import pad_to_longest
+
+    return pad_to_longest(list(samples), pad_id=0)
+
+
+def split(samples: Sequence[dict], k: int) -> list[dict]:
+    """k collated micro-batches of consecutive samples (each padded to its own longest row)."""
+    if len(samples) % k:
+        raise ValueError(f"{len(samples)} samples do not split into k={k} equal micro-batches")
+    m = len(samples) // k
+    return [collate(samples[i * m:(i + 1) * m]) for i in range(k)]
+
+
+def gradients(model: nn.Module, micro_batches: Sequence[dict], *, normalization: str = "token",
+              device: torch.device | str | None = None) -> torch.Tensor:
+    """The flattened gradient of one optimizer step's loss over `micro_batches` (fp32, no AMP)."""
+    model.zero_grad(set_to_none=True)
+    accumulate_step(model, micro_batches, device=device, normalization=normalization)
+    flat = torch.cat([p.grad.detach().flatten().float() for p in model.parameters() if p.grad is not None])
+    model.zero_grad(set_to_none=True)
+    return flat
+
+
+def max_rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| / max |b|: the worst element's error relative to the reference's scale."""
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+def measure_step_peak(model: nn.Module, micro_batches: Sequence[dict], *, device: torch.device | str,
+                      amp: str = "off", warmup: bool = True) -> int:
+    """Peak bytes of one full optimizer step (forward, backward over all micro-batches, AdamW update).
+
+    Runs on a deep copy of `model` so the caller's weights stay untouched. With `warmup`, one step runs
+    first so AdamW's states exist, as in every step of a real run but the first.
+    """
+    from ..memory import MemoryMeter
+
+    device = torch.device(device)
+    model = copy.deepcopy(model).to(device)
+    opt = build_optimizer(model, TrainConfig(lr=1e-6, progress=False), device)
+    settings = resolve_amp(amp, device)
+    scaler = torch.amp.GradScaler(device.type) if settings.use_scaler else None
+
+    def step() -> None:
+        accumulate_step(model, micro_batches, amp_dtype=settings.dtype, scaler=scaler, device=device)
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    if warmup:
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    meter = MemoryMeter(device)
+    with meter.track(model, opt):
+        meter.reset_peak()
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    peak = meter.peak()
+    del model, opt
+    return int(peak)
+
+
+def main(argv: list[str]) -> dict:
+    """Run the benchmark; return its JSON-ready result."""
+    from ..device import get_device
+    from ..model import MiniMindConfig, MiniMindForCausalLM
+    from ..profiles import get_profile
+
+    ap = argparse.ArgumentParser(prog="python -m minimind_lib.bench accumulation")
+    ap.add_argument("--profile", default=None, help="smoke | cpu | gpu (default: the selected profile)")
+    ap.add_argument("--device", default=None, help="cpu | cuda | mps (default: the best available)")
+    ap.add_argument("--batch", type=int, default=None, help="rows of the big batch (default: profile.batch_size)")
+    ap.add_argument("--k", type=int, default=None, help="micro-batches (default: profile.accum_steps)")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+
+    profile = get_profile(args.profile)
+    if profile.num_threads:
+        torch.set_num_threads(profile.num_threads)
+    device = get_device(args.device)
+    k = args.k or profile.accum_steps
+    batch = args.batch or profile.batch_size
+    if batch % k:
+        raise ValueError(f"--batch {batch} is not a multiple of --k {k}")
+    torch.manual_seed(args.seed)
+    config = MiniMindConfig.preset(profile.model)
+    model = MiniMindForCausalLM(config).to(device)
+    samples, source = load_samples(profile, batch, seed=args.seed)
+    big = [collate(samples)]
+    micro = split(samples, k)
+
+    g_big = gradients(model, big, device=device)
+    g_tok = gradients(model, micro, device=device)
+    g_naive = gradients(model, micro, device=device, normalization="naive")
+    tokens_per_micro = [int((mb["labels"][:, 1:] != -100).sum()) for mb in micro]
+
+    peak1 = measure_step_peak(model, big, device=device)
+    peakk = measure_step_peak(model, micro, device=device)
+    lengths = [len(s["input_ids"]) for s in samples]
+    return {
+        "grad_max_rel_err": max_rel_err(g_tok, g_big),
+        "naive_grad_max_rel_err": max_rel_err(g_naive, g_big),
+        "peak_bytes_accum1": peak1,
+        "peak_bytes_accumK": peakk,
+        "peak_ratio_accumK_vs_1": peakk / peak1,
+        "k": k,
+        "batch_rows": batch,
+        "micro_batch_rows": batch // k,
+        "tokens_per_micro_batch": tokens_per_micro,
+        "sample_len_min": min(lengths),
+        "sample_len_max": max(lengths),
+        "data": source,
+        "device": device.type,
+        "profile": profile.name,
+        "config": config.to_dict(),
+    }

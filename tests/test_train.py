@@ -1,0 +1,307 @@
+"""Tests of the training loop: exact accumulation, AMP choice, schedule, optimizer groups, fit, NaN handling."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import minimind_lib.device as device_mod
+from minimind_lib.bench.accumulation import collate, gradients, max_rel_err, split, synthetic_samples
+from minimind_lib.model import MiniMindConfig, MiniMindForCausalLM, lm_loss
+from minimind_lib.train import (AmpSettings, DataStream, TrainConfig, accumulate_step, build_optimizer, evaluate,
+                                fit, lr_at, resolve_amp, step_token_count)
+
+torch.set_num_threads(1)  # tiny matmuls: one thread is fastest, and the CI machine's 2 cores are shared
+VOCAB = 256  # a small vocabulary keeps the LM head (the biggest matmul of the smoke model) cheap
+
+
+def tiny_model(seed: int = 0) -> MiniMindForCausalLM:
+    torch.manual_seed(seed)
+    return MiniMindForCausalLM(MiniMindConfig.preset("smoke", vocab_size=VOCAB))
+
+
+def batches(n: int, rows: int = 4, max_len: int = 24, seed: int = 0) -> list[dict]:
+    s = synthetic_samples(n * rows, vocab_size=VOCAB, min_len=3, max_len=max_len, seed=seed)
+    return [collate(s[i * rows:(i + 1) * rows]) for i in range(n)]
+
+
+def cfg(**kw) -> TrainConfig:
+    base = dict(lr=3e-3, warmup_steps=2, max_steps=6, accum_steps=2, amp="off", progress=False, seed=0)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+# ------------------------------------------------------------------------------------------ config, schedule, AMP
+
+
+def test_config_rejects_bad_values():
+    with pytest.raises(ValueError, match="amp='fp8'"):
+        TrainConfig(amp="fp8")
+    with pytest.raises(ValueError, match="normalization='mean'"):
+        TrainConfig(normalization="mean")
+    with pytest.raises(ValueError, match="accum_steps=0"):
+        TrainConfig(accum_steps=0)
+    with pytest.raises(ValueError, match="lr=0"):
+        TrainConfig(lr=0)
+    assert TrainConfig(lr=1e-3).min_lr == pytest.approx(1e-4)
+
+
+def test_from_profile_reads_sizes():
+    from minimind_lib.profiles import get_profile
+
+    p = get_profile("smoke")
+    c = TrainConfig.from_profile(p, progress=False)
+    assert (c.lr, c.max_steps, c.accum_steps) == (p.lr, p.train_steps, p.accum_steps)
+
+
+def test_lr_schedule_warmup_then_cosine():
+    kw = dict(lr=1.0, min_lr=0.1, warmup_steps=4, max_steps=20)
+    lrs = [lr_at(s, **kw) for s in range(25)]
+    assert lrs[:4] == pytest.approx([0.25, 0.5, 0.75, 1.0])
+    assert lrs[4] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(lrs[4:20], lrs[5:21]))  # decays monotonically
+    assert lrs[20] == pytest.approx(0.1) and lrs[24] == pytest.approx(0.1)
+    assert lr_at(12, **kw) == pytest.approx(0.55)  # half way: the mean of lr and min_lr
+
+
+def test_resolve_amp(monkeypatch):
+    monkeypatch.setattr(device_mod, "bf16_native", lambda d: False)
+    assert resolve_amp("auto", "cpu") == AmpSettings(None, False, resolve_amp("auto", "cpu").reason)
+    assert "slower" in resolve_amp("auto", "cpu").reason
+    assert resolve_amp("auto", "cuda").dtype == torch.float16 and resolve_amp("auto", "cuda").use_scaler
+    assert resolve_amp("auto", "mps").dtype is None
+    monkeypatch.setattr(device_mod, "bf16_native", lambda d: True)
+    assert resolve_amp("auto", "cpu").dtype == torch.bfloat16
+    a = resolve_amp("auto", "cuda")
+    assert a.dtype == torch.bfloat16 and not a.use_scaler and a.name == "bf16"
+    assert resolve_amp("off", "cuda").name == "fp32"
+    assert resolve_amp("fp16", "cpu").use_scaler
+    with pytest.raises(ValueError, match="amp='int8'"):
+        resolve_amp("int8", "cpu")
+
+
+def test_optimizer_decays_only_2d_weights():
+    model = tiny_model()
+    opt = build_optimizer(model, cfg(weight_decay=0.1), "cpu")
+    decay, no_decay = opt.param_groups
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert all(p.dim() == 2 for p in decay["params"]) and all(p.dim() == 1 for p in no_decay["params"])
+    n_unique = len({id(p) for p in model.parameters()})
+    assert len(decay["params"]) + len(no_decay["params"]) == n_unique  # tied weight counted once
+    assert not opt.defaults.get("fused")  # fused only on CUDA
+
+
+# ------------------------------------------------------------------------------------------ accumulation
+
+
+def test_token_weighted_accumulation_equals_big_batch_with_varied_lengths():
+    model = tiny_model()
+    samples = synthetic_samples(8, vocab_size=VOCAB, min_len=2, max_len=40, seed=3)
+    assert len({len(s["input_ids"]) for s in samples}) > 4  # lengths really vary
+    g_big = gradients(model, [collate(samples)])
+    g_acc = gradients(model, split(samples, 4))
+    g_naive = gradients(model, split(samples, 4), normalization="naive")
+    assert torch.allclose(g_acc, g_big, rtol=1e-4, atol=1e-7)
+    assert max_rel_err(g_acc, g_big) < 1e-5
+    assert max_rel_err(g_naive, g_big) > 1e-3  # the per-micro-batch mean over-weights short micro-batches
+
+
+def test_accumulate_step_returns_token_loss():
+    model = tiny_model()
+    mbs = batches(3)
+    n = step_token_count(mbs)
+    assert n == sum(int((b["labels"][:, 1:] != -100).sum()) for b in mbs)
+    out = accumulate_step(model, mbs)
+    with torch.no_grad():
+        ref = sum(float(lm_loss(model(b["input_ids"]).logits, b["labels"], reduction="sum")) for b in mbs) / n
+    assert out["n_tokens"] == n and out["micro_batches"] == 3
+    assert out["loss"] == pytest.approx(ref, rel=1e-5)
+
+
+def test_accumulate_step_bad_inputs():
+    model = tiny_model()
+    b = batches(1)[0]
+    empty = {**b, "labels": torch.full_like(b["labels"], -100)}
+    with pytest.raises(ValueError, match="no trained tokens"):
+        accumulate_step(model, [empty])
+    with pytest.raises(ValueError, match="no micro-batches"):
+        accumulate_step(model, [])
+    with pytest.raises(ValueError, match="normalization='x'"):
+        accumulate_step(model, [b], normalization="x")
+
+
+def test_evaluate_is_token_weighted():
+    model = tiny_model()
+    bs = batches(3)
+    ev = evaluate(model, bs)
+    with torch.no_grad():
+        total = sum(float(lm_loss(model(b["input_ids"]).logits, b["labels"], reduction="sum")) for b in bs)
+    assert ev["loss"] == pytest.approx(total / step_token_count(bs), rel=1e-5)
+    assert ev["ppl"] == pytest.approx(math.exp(ev["loss"]))
+    assert model.training  # restored
+
+
+def test_data_stream_wraps_epochs_and_resumes():
+    s = DataStream([1, 2, 3])
+    got = [s.next() for _ in range(5)]
+    assert got == [1, 2, 3, 1, 2] and s.state_dict() == {"epoch": 1, "offset": 2}
+    t = DataStream([1, 2, 3])
+    t.load_state_dict(s.state_dict())
+    assert [t.next() for _ in range(3)] == [3, 1, 2]
+    with pytest.raises(ValueError, match="empty"):
+        DataStream([]).next()
+
+
+# ------------------------------------------------------------------------------------------ fit
+
+
+def test_fit_records_metrics_and_learns():
+    model = tiny_model()
+    data = batches(2)
+    df = fit(model, data, cfg(max_steps=12, lr=1e-2), device="cpu", val_batches=data[:1])
+    for col in ("step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "peak_memory_bytes", "wall_time",
+                "skipped", "event", "val_loss", "val_ppl"):
+        assert col in df.columns, col
+    assert list(df["step"]) == list(range(12))
+    assert df["loss"].iloc[-1] < df["loss"].iloc[0] - 0.5
+    assert not df["skipped"].any()
+    assert df["tokens"].iloc[0] == step_token_count(data)  # 2 micro-batches per step = the whole list
+    assert math.isfinite(df["val_loss"].iloc[-1])
+    assert df.attrs["amp"] == "fp32"
+
+
+def test_fit_accepts_a_dataloader_and_wraps_epochs():
+    from torch.utils.data import DataLoader
+
+    samples = synthetic_samples(6, vocab_size=VOCAB, min_len=3, max_len=16)
+    loader = DataLoader(samples, batch_size=2, collate_fn=collate)  # 3 micro-batches per epoch
+    df = fit(tiny_model(), loader, cfg(max_steps=4), device="cpu")  # 8 micro-batches: into the 3rd epoch
+    assert len(df) == 4 and df["loss"].map(math.isfinite).all()
+
+
+def test_fit_with_memory_meter_and_fp16_scaler():
+    from minimind_lib.memory import MemoryMeter
+
+    model = tiny_model()
+    df = fit(model, batches(2), cfg(max_steps=3, amp="fp16"), device="cpu", meter=MemoryMeter("cpu"))
+    assert (df["peak_memory_bytes"] > 0).all()
+    assert df["scale"].notna().all() and df.attrs["amp"] == "fp16"
+
+
+class SplitController:
+    """A stand-in for batching.AdaptiveBatchController: splits the step's samples into fixed micro-batches."""
+
+    def __init__(self, rows: int):
+        self.rows = rows
+
+    def run_step(self, samples, accumulate_fn):
+        mbs = [collate(samples[i:i + self.rows]) for i in range(0, len(samples), self.rows)]
+        stats = dict(accumulate_fn(mbs))
+        stats["events"] = [f"split_into_{len(mbs)}"]
+        stats["micro_batch_size"] = self.rows
+        return stats
+
+    def state_dict(self):
+        return {"rows": self.rows}
+
+    def load_state_dict(self, state):
+        self.rows = state["rows"]
+
+
+def test_fit_with_controller_logs_events():
+    samples = synthetic_samples(12, vocab_size=VOCAB, min_len=3, max_len=20)
+    steps = [samples[0:6], samples[6:12]]
+    df = fit(tiny_model(), steps, cfg(max_steps=2), device="cpu", controller=SplitController(2))
+    assert list(df["event"]) == ["split_into_3", "split_into_3"]
+    assert list(df["micro_batch_size"]) == [2, 2]
+    # the controller's split is exact: same gradients, so same loss as one micro-batch per step
+    df1 = fit(tiny_model(), steps, cfg(max_steps=2), device="cpu", controller=SplitController(6))
+    assert df["loss"].tolist() == pytest.approx(df1["loss"].tolist(), rel=1e-5)
+
+
+# ------------------------------------------------------------------------------------------ NaN / inf handling
+
+
+class PoisonCalls:
+    """A forward hook that turns the logits of chosen forward calls into NaN (a diverging step)."""
+
+    def __init__(self, model, calls):
+        self.calls, self.n = set(calls), 0
+        self.handle = model.lm_head.register_forward_hook(self)
+
+    def __call__(self, module, inputs, output):
+        poisoned = self.n in self.calls
+        self.n += 1
+        return output * float("nan") if poisoned else output
+
+
+def test_nan_step_is_skipped_and_counted():
+    model = tiny_model()
+    PoisonCalls(model, calls={4})  # accum 2: forward call 4 is the first micro-batch of step 2
+    df = fit(model, batches(2), cfg(max_steps=5), device="cpu")
+    assert df["skipped"].tolist() == [False, False, True, False, False]
+    assert "nonfinite_loss_skipped" in df["event"].iloc[2]
+    assert df.attrs["bad_steps"] == 1 and df.attrs["rollbacks"] == 0
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert df["loss"].drop(index=2).map(math.isfinite).all()
+
+
+def test_bad_steps_in_a_row_roll_back_and_lower_lr(tmp_path):
+    from minimind_lib.checkpoint import read_training_state
+
+    model = tiny_model()
+    PoisonCalls(model, calls={3, 4, 5})  # accum 1: steps 3, 4, 5 diverge
+    c = cfg(max_steps=6, accum_steps=1, ckpt_every=2, ckpt_dir=str(tmp_path), max_bad_steps=3)
+    df = fit(model, batches(3), c, device="cpu")
+    assert df.attrs["rollbacks"] == 1 and df.attrs["bad_steps"] == 3
+    assert "rollback_to_step_2" in df["event"].iloc[5] and "lr_scale=0.5" in df["event"].iloc[5]
+    # after the rollback, steps 2..5 run again at half the scheduled LR
+    assert df["step"].tolist() == [0, 1, 2, 3, 4, 5, 2, 3, 4, 5]
+    after = df.iloc[6:]
+    expected = [0.5 * lr_at(s, lr=c.lr, min_lr=c.min_lr, warmup_steps=c.warmup_steps, max_steps=c.max_steps)
+                for s in after["step"]]
+    assert after["lr"].tolist() == pytest.approx(expected)
+    assert not after["skipped"].any()
+    state = read_training_state(tmp_path / "last.pt")
+    assert all(torch.isfinite(v).all() for v in state["model"].values())
+    assert state["extra"]["lr_scale"] == 0.5  # the lowered LR survives a later resume
+
+
+def test_no_checkpoint_lowers_lr_and_gives_up_after_max_rollbacks():
+    model = tiny_model()
+    PoisonCalls(model, calls=set(range(100)))  # every step diverges
+    with pytest.raises(RuntimeError, match="training diverged"):
+        fit(model, batches(2), cfg(max_steps=20, accum_steps=1, max_bad_steps=2, max_rollbacks=2), device="cpu")
+    model = tiny_model()
+    PoisonCalls(model, calls={0, 1})
+    df = fit(model, batches(2), cfg(max_steps=4, accum_steps=1, max_bad_steps=2), device="cpu")
+    assert "no_checkpoint_to_roll_back_to" in df["event"].iloc[1]
+    assert df.attrs["final_lr_scale"] == 0.5
+
+
+def test_fit_with_adaptive_controller_recovers_from_oom():
+    """The real batching controller plugged into fit: a tight CPU budget forces OOM, halving, retry."""
+    from minimind_lib.batching import AdaptiveBatchController
+    from minimind_lib.memory import MemoryMeter
+
+    samples = synthetic_samples(16, vocab_size=VOCAB, min_len=16, max_len=24, seed=1)
+    steps = [samples[0:8], samples[8:16]]
+    ref = fit(tiny_model(), steps, cfg(max_steps=2), device="cpu", controller=SplitController(8))
+    probe = MemoryMeter("cpu")
+    model = tiny_model()
+    fit(model, steps[:1], cfg(max_steps=1), device="cpu", controller=SplitController(8), meter=probe)
+    budget = int(probe.peak() * 0.97)  # just below what a micro-batch of 8 needs
+    ctrl = AdaptiveBatchController(8, meter=MemoryMeter("cpu", budget_bytes=budget), collate_fn=collate)
+    df = fit(tiny_model(), steps, cfg(max_steps=2), device="cpu", controller=ctrl)
+    assert "oom_halve" in df["event"].iloc[0]
+    assert ctrl.stats["samples_lost"] == 0 and df["micro_batch_size"].iloc[-1] < 8
+    assert df["loss"].tolist() == pytest.approx(ref["loss"].tolist(), rel=1e-5)  # same step, smaller pieces
+
+
+def test_fit_stops_when_a_generator_runs_out():
+    gen = (b for b in batches(3))  # 3 micro-batches, accum 2: one full step, then the generator is spent
+    with pytest.warns(UserWarning, match="ran out after 1 of 5 steps; 1 micro-batch"):
+        df = fit(tiny_model(), gen, cfg(max_steps=5), device="cpu")
+    assert len(df) == 1 and df.attrs["data_exhausted"] and df.attrs["dropped_micro_batches"] == 1
