@@ -1,0 +1,791 @@
+"""Training throughput, model FLOPs utilisation, and ours vs MiniMind's recipe on the same batches.
+
+    python -m minimind_lib.bench throughput --json [--config NAME] [--seq N] [--batch B] [--steps S]
+                                                   [--baseline] [--compile] [--strategy budget|pack] [--levers]
+
+What is timed: whole optimizer steps (host-to-device copies, forward, backward, clipping, optimizer) over
+samples read from data/pretrain.jsonl and tokenized beforehand (both recipes get ready-made CPU batches, as a
+DataLoader with workers would hand them over; the `dataloader_workers` lever measures the loader itself).
+
+Ours: each optimizer step's samples are cut into token-budget micro-batches (rows x longest row <= max_tokens,
+sorted by length, padded to the longest row, no attention mask: right padding under a causal mask is exact) or
+packed rows (--strategy pack: block-causal mask, per-document positions); exact token-weighted accumulation
+(train.accumulate_step); AMP from train.resolve_amp; AdamW with the library's parameter groups, fused where this
+torch has a fused kernel for the device (CUDA and, since torch 2.4, CPU).
+Baseline (--baseline): minimind_lib.baseline, MiniMind's recipe on the same samples and the same number of
+optimizer steps (pad to max length, per-micro-batch mean / accumulation_steps, fp16 autocast + GradScaler on CUDA
+and fp32 on CPU, torch's default AdamW). The two are timed back to back, `--repeats` times, alternating which goes
+first; ``ratio_useful_tokens_per_s`` is the median of the per-repeat (paired) ratios, tokens/s are medians.
+
+Useful tokens are trained tokens, ``(labels[:, 1:] != -100).sum()``: both recipes train exactly the same ones.
+
+FLOPs (PaLM appendix B, Chowdhery et al. 2022): per trained token, fwd + bwd,
+
+    model_flops_per_token = 6 * N + 12 * L * d * T
+
+N = every parameter, counted once (the tied embedding/lm_head matrix once). For a tied model that is exactly
+the set of weights that take part in a matmul per token: the embedding lookup costs no FLOPs, but the same
+matrix as the 6400-way lm_head costs 2 * V * d per token forward, which is N's V * d share. (Norm gains are
+elementwise and add < 0.1 %.) L = layers, d = hidden size (query heads x head_dim), T = row length; the
+12 * L * d * T term is QK^T and AV (4 * d * T forward per layer, x3 with backward), counted for the full
+T x T square as PaLM does (causal masking halves the work a kernel must do; this is the standard convention).
+``model_flops_per_token`` is reported at T = --seq. ``achieved_flops_per_s`` sums, per micro-batch, trained
+tokens x (6N + 12 L d T_mb) with T_mb that micro-batch's row length, divided by the median step time: padding
+is never counted as useful work. ``matmul_peak_flops_per_s`` is measured in the same process by a large square
+matmul in the training dtype (bf16 on a bf16 GPU, fp32 on a CPU without native bf16).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import importlib.util
+import math
+import shutil
+import statistics
+import time
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+IGNORE_INDEX = -100
+STRATEGIES = ("budget", "pack")
+LEVERS = ("fused_adamw", "sdpa_backend", "chunked_cross_entropy", "activation_checkpointing", "torch_compile",
+          "pinned_memory", "dataloader_workers")
+FLOPS_FORMULA = "6*N + 12*L*d*T (PaLM); N = all parameters counted once (tied embedding = lm_head matmul)"
+
+
+# --------------------------------------------------------------------------------------------- arguments
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    """The benchmark's arguments; defaults come from the profile."""
+    p = argparse.ArgumentParser(prog="python -m minimind_lib.bench throughput", description=__doc__.splitlines()[0])
+    p.add_argument("--profile", default=None, help="profile name (default: MINIMIND_PROFILE or auto)")
+    p.add_argument("--config", default=None, help="model preset (default: the profile's)")
+    p.add_argument("--seq", type=int, default=None, help="max row length in tokens (default: profile.seq_len)")
+    p.add_argument("--batch", type=int, default=None, help="baseline rows per micro-batch (default: profile.batch_size)")
+    p.add_argument("--accum", type=int, default=None, help="micro-batches per optimizer step (default: profile.accum_steps)")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="our micro-batch budget, rows x longest row (default: batch x seq, the baseline's size)")
+    p.add_argument("--steps", type=int, default=3, help="optimizer steps per timed repeat")
+    p.add_argument("--repeats", type=int, default=3, help="timed repeats (alternating recipes); medians are reported")
+    p.add_argument("--strategy", default="budget", choices=STRATEGIES, help="our batching: token budget or packing")
+    p.add_argument("--baseline", action="store_true", help="also time MiniMind's recipe on the same samples")
+    p.add_argument("--compile", action="store_true", help="torch.compile our model (falls back to eager if unavailable)")
+    p.add_argument("--fused", default="auto", choices=("auto", "on", "off"),
+                   help="our AdamW: auto = fused where this torch supports it on the device")
+    p.add_argument("--levers", action="store_true", help="measure the speed/memory levers instead (see run_levers)")
+    p.add_argument("--lever-repeats", type=int, default=5, help="alternating repeats per lever measurement")
+    p.add_argument("--only", nargs="*", default=None, metavar="LEVER", help=f"with --levers: only these of {list(LEVERS)}")
+    p.add_argument("--data", default=None, help="pretrain jsonl (default: data/pretrain.jsonl)")
+    p.add_argument("--max-samples", type=int, default=None, help="lines read from the jsonl (default: profile.max_samples)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: profile or torch's)")
+    p.add_argument("--device", default=None, help="cpu / cuda / mps (default: best available)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-memory", action="store_true", help="skip the (untimed) peak-memory step")
+    args = p.parse_args(list(argv))
+    for name in ("seq", "batch", "accum", "max_tokens", "steps", "repeats", "lever_repeats", "max_samples", "threads"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')}={value} must be >= 1")
+    unknown = sorted(set(args.only or ()) - set(LEVERS))
+    if unknown:
+        raise ValueError(f"--only: unknown lever(s) {unknown}; choose from {list(LEVERS)}")
+    if args.seq is not None and args.seq < 2:
+        raise ValueError(f"--seq={args.seq} must be >= 2 (a row needs one prediction)")
+    return args
+
+
+# --------------------------------------------------------------------------------------------- data
+
+
+def load_samples(path: Path, tokenizer, seq_len: int, n_needed: int, max_samples: int | None, seed: int):
+    """`n_needed` pretrain samples ({"input_ids", "labels"}, truncated to seq_len), a seeded draw from the file.
+
+    If the file has fewer samples than needed, it is cycled (a fresh permutation per pass); the
+    returned info says how many distinct samples there were and how many passes it took.
+    """
+    from ..data import PretrainDataset
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"pretrain data not found: {path} (build it with data/build_corpus.py or pass --data)")
+    ds = PretrainDataset(path, tokenizer, seq_len, max_samples=max_samples)
+    if len(ds) == 0:
+        raise ValueError(f"{path}: no samples")
+    rng = np.random.default_rng(seed)
+    order: list[int] = []
+    passes = 0
+    while len(order) < n_needed:
+        order.extend(rng.permutation(len(ds)).tolist())
+        passes += 1
+    samples = [ds[i] for i in order[:n_needed]]
+    info = {"data": str(path), "distinct_samples": len(ds), "passes": passes,
+            "truncated_in_file": int(ds.stats.n_truncated)}
+    return samples, info
+
+
+def step_token_count(micro_batches: Sequence[dict], key: str = "labels") -> int:
+    """Trained tokens of a step's collated micro-batches (ours: labels; baseline: loss_mask)."""
+    if key == "loss_mask":
+        return sum(int(mb["loss_mask"].sum()) for mb in micro_batches)
+    return sum(int((mb["labels"][:, 1:] != IGNORE_INDEX).sum()) for mb in micro_batches)
+
+
+def ours_micro_batches(samples: Sequence[dict], seq_len: int, max_tokens: int, strategy: str, pad_id: int,
+                       pad_multiple: int | None = None) -> list[dict]:
+    """Our micro-batches of one optimizer step's samples: token-budget groups or packed rows."""
+    from ..batching import TokenBudgetBatchSampler, collate_packed, pack_sequences
+    from ..data import pad_to_longest
+
+    if strategy == "budget":
+        lengths = [int(s["input_ids"].numel()) for s in samples]
+        sampler = TokenBudgetBatchSampler(lengths, max_tokens, shuffle=False, max_len=seq_len)
+        out = []
+        for idx in sampler.batches():
+            mb = pad_to_longest([samples[i] for i in idx], pad_id=pad_id, pad_to_multiple_of=pad_multiple)
+            # Right padding + causal attention: no real token can see a pad, and pads carry label -100, so the
+            # padding mask changes nothing we train on; without it SDPA keeps its fast is_causal kernels.
+            mb.pop("attention_mask")
+            out.append(mb)
+        return out
+    if strategy == "pack":
+        packed, _ = pack_sequences(list(samples), seq_len, pad_id=pad_id, strategy="stream")
+        rows_per_mb = max(1, max_tokens // seq_len)
+        n = packed["input_ids"].shape[0]
+        out = []
+        for start in range(0, n, rows_per_mb):
+            rows = [{k: v[i] for k, v in packed.items()} for i in range(start, min(n, start + rows_per_mb))]
+            mb = collate_packed(rows, block_mask=True)
+            mb.pop("doc_ids")
+            out.append(mb)
+        return out
+    raise ValueError(f"strategy={strategy!r}; choose one of {STRATEGIES}")
+
+
+def baseline_micro_batches(samples: Sequence[dict], seq_len: int, batch: int, pad_id: int) -> list[dict]:
+    """MiniMind's micro-batches of one optimizer step: consecutive `batch` samples padded to seq_len."""
+    from ..baseline import minimind_rows
+
+    return [minimind_rows(samples[i:i + batch], seq_len, pad_id) for i in range(0, len(samples), batch)]
+
+
+# --------------------------------------------------------------------------------------------- FLOPs
+
+
+def model_flops_per_token(config, n_params: int, seq_len: int) -> int:
+    """6N + 12 L d T: training FLOPs per token at row length T (see the module docstring)."""
+    return 6 * n_params + 12 * config.num_hidden_layers * config.hidden_size * seq_len
+
+
+def useful_flops(micro_batches: Sequence[dict], config, n_params: int, key: str = "labels") -> float:
+    """Sum over micro-batches of trained tokens x model_flops_per_token(row length of that micro-batch)."""
+    total = 0.0
+    for mb in micro_batches:
+        t = (mb["X"] if key == "loss_mask" else mb["input_ids"]).shape[1]
+        total += step_token_count([mb], key) * model_flops_per_token(config, n_params, t)
+    return total
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+def measure_matmul_peak(device: torch.device, dtype: torch.dtype, n: int | None = None, iters: int | None = None) -> float:
+    """FLOP/s of the best of several large square matmuls (2 n^3 FLOPs each) in `dtype` on `device`."""
+    n = n or (8192 if device.type == "cuda" else 1024)
+    iters = iters or (20 if device.type == "cuda" else 3)
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(2):
+        a @ b
+    best = math.inf
+    for _ in range(3):
+        _sync(device)
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            a @ b
+        _sync(device)
+        best = min(best, (time.perf_counter() - t0) / iters)
+    del a, b
+    return 2 * n**3 / best
+
+
+# --------------------------------------------------------------------------------------------- our recipe
+
+
+def fused_adamw_supported(device: torch.device) -> bool:
+    """Whether torch.optim.AdamW(fused=True) runs on this device in this torch."""
+    try:
+        p = nn.Parameter(torch.zeros(2, device=device))
+        p.grad = torch.zeros_like(p)
+        torch.optim.AdamW([p], fused=True).step()
+        return True
+    except (RuntimeError, ValueError, TypeError):
+        return False
+
+
+def make_optimizer(model: nn.Module, cfg, device: torch.device, fused: str = "auto") -> tuple[torch.optim.Optimizer, str]:
+    """train.build_optimizer's AdamW (same groups and hyper-parameters), with the fused kernel where supported."""
+    from ..train import build_optimizer
+
+    opt = build_optimizer(model, cfg, device)
+    want = fused == "on" or (fused == "auto" and fused_adamw_supported(device))
+    is_fused = bool(opt.defaults.get("fused"))
+    if want and not is_fused:
+        if not fused_adamw_supported(device):
+            raise ValueError(f"--fused on: torch {torch.__version__} has no fused AdamW on {device.type}")
+        groups = [{k: v for k, v in g.items() if k != "fused"} for g in opt.param_groups]
+        opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, fused=True)
+    elif fused == "off" and is_fused:
+        groups = [{k: v for k, v in g.items() if k != "fused"} for g in opt.param_groups]
+        opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
+    impl = "fused" if opt.defaults.get("fused") else ("foreach" if opt.defaults.get("foreach") else "default")
+    return opt, impl
+
+
+class OursRecipe:
+    """The library's recipe for one model: exact token-weighted accumulation, resolve_amp, AdamW, clipping."""
+
+    def __init__(self, model: nn.Module, device: torch.device, lr: float, total_steps: int, fused: str = "auto"):
+        from ..train import TrainConfig, make_scaler, resolve_amp
+
+        self.model, self.device = model, device
+        self.cfg = TrainConfig(lr=lr, max_steps=max(1, total_steps), warmup_steps=1, progress=False)
+        self.amp = resolve_amp(self.cfg.amp, device)
+        self.scaler = make_scaler(self.amp, device)
+        self.optimizer, self.optimizer_impl = make_optimizer(model, self.cfg, device, fused)
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.step = 0
+
+    def train_step(self, micro_batches: Sequence[dict]) -> dict:
+        """One optimizer step over the micro-batches (what train.fit does per step, minus logging)."""
+        from ..train import accumulate_step, lr_at
+
+        lr = lr_at(self.step, lr=self.cfg.lr, min_lr=self.cfg.min_lr, warmup_steps=self.cfg.warmup_steps,
+                   max_steps=self.cfg.max_steps)
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        stats = accumulate_step(self.model, micro_batches, amp_dtype=self.amp.dtype, scaler=self.scaler,
+                                device=self.device)
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+        torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        return stats
+
+
+def try_compile(model: nn.Module, device: torch.device, dynamic: bool | None = None) -> tuple[nn.Module, str]:
+    """torch.compile(model) if a backend can run here, else the model itself and 'compile unavailable: <reason>'.
+
+    dynamic=True compiles once for symbolic shapes (token-budget batches change shape every micro-batch);
+    None lets torch decide (static first, dynamic after a recompile).
+    """
+    if not hasattr(torch, "compile"):
+        return model, "compile unavailable: this torch has no torch.compile"
+    if device.type == "cuda" and importlib.util.find_spec("triton") is None:
+        return model, "compile unavailable: triton is not installed (inductor needs it on CUDA)"
+    if device.type == "cpu" and not (shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")):
+        return model, "compile unavailable: no C++ compiler on PATH (inductor needs one on CPU)"
+    try:
+        return torch.compile(model, dynamic=dynamic), "compiled"
+    except Exception as exc:  # noqa: BLE001 - any backend failure means: run eager, and say why
+        return model, f"compile unavailable: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+
+
+# --------------------------------------------------------------------------------------------- memory
+
+
+def peak_memory_of(fn: Callable[[], object], device: torch.device, *tracked) -> int:
+    """Peak bytes while fn() runs: CUDA allocator peak, or MemoryMeter's live-tensor peak on CPU (untimed)."""
+    from ..memory import MemoryMeter
+
+    gc.collect()
+    meter = MemoryMeter(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        meter.reset_peak()
+        fn()
+        torch.cuda.synchronize(device)
+        return int(meter.peak())
+    if device.type != "cpu":
+        fn()
+        return -1  # no allocator counters on this device type
+    with meter.track(*tracked):
+        meter.reset_peak()
+        fn()
+    return int(meter.peak())
+
+
+# --------------------------------------------------------------------------------------------- setup
+
+
+def _setup(args: argparse.Namespace):
+    """Profile, device, config, tokenizer, samples grouped per step, and both recipes' micro-batches."""
+    from ..device import get_device
+    from ..model import MiniMindConfig
+    from ..paths import DATA_DIR
+    from ..profiles import get_profile
+    from ..tokenizer import load_tokenizer
+
+    profile = get_profile(args.profile)
+    threads = args.threads or profile.num_threads
+    if threads:
+        torch.set_num_threads(threads)
+    device = get_device(args.device)
+    preset = args.config or profile.model
+    config = MiniMindConfig.preset(preset)
+    seq = args.seq or profile.seq_len
+    if seq > config.max_position_embeddings:
+        raise ValueError(f"--seq={seq} exceeds max_position_embeddings={config.max_position_embeddings} of preset {preset!r}")
+    batch = args.batch or profile.batch_size
+    accum = args.accum or profile.accum_steps
+    max_tokens = args.max_tokens or batch * seq
+    if max_tokens < seq:
+        raise ValueError(f"--max-tokens={max_tokens} is smaller than --seq={seq}: a full-length row would not fit")
+    tok = load_tokenizer()
+    per_step = batch * accum
+    data = Path(args.data) if args.data else DATA_DIR / "pretrain.jsonl"
+    max_samples = args.max_samples if args.max_samples is not None else profile.max_samples
+    samples, data_info = load_samples(data, tok, seq, per_step * args.steps, max_samples, args.seed)
+    groups = [samples[i * per_step:(i + 1) * per_step] for i in range(args.steps)]
+    pad_multiple = 8 if device.type == "cuda" else None  # tensor cores like multiples of 8; a CPU does not care
+    ours = [ours_micro_batches(g, seq, max_tokens, args.strategy, tok.pad_token_id, pad_multiple) for g in groups]
+    base = [baseline_micro_batches(g, seq, batch, tok.pad_token_id) for g in groups]
+    for i, (o, b) in enumerate(zip(ours, base)):
+        n_o, n_b = step_token_count(o), step_token_count(b, "loss_mask")
+        if args.strategy == "budget" and n_o != n_b:  # same samples, same shift: must train the same tokens
+            raise RuntimeError(f"step {i}: ours trains {n_o} tokens, the baseline {n_b}; the batching lost tokens")
+    return dict(profile=profile, device=device, preset=preset, config=config, seq=seq, batch=batch, accum=accum,
+                max_tokens=max_tokens, tok=tok, groups=groups, ours=ours, base=base, data_info=data_info)
+
+
+def _new_model(config, device: torch.device, seed: int) -> nn.Module:
+    from ..model import MiniMindForCausalLM
+
+    torch.manual_seed(seed)
+    return MiniMindForCausalLM(config).to(device).train()
+
+
+def _timed(fn: Callable[[], object], device: torch.device) -> float:
+    _sync(device)
+    t0 = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - t0
+
+
+# --------------------------------------------------------------------------------------------- the benchmark
+
+
+def run_throughput(args: argparse.Namespace) -> dict:
+    """Time our recipe (and with --baseline MiniMind's) on the same samples; tokens/s, FLOPs, memory."""
+    from ..baseline import BaselineRecipe
+    from ..device import device_name
+    from ..model import count_parameters
+
+    s = _setup(args)
+    device, config = s["device"], s["config"]
+    profile = s["profile"]
+    model = _new_model(config, device, args.seed)
+    n_params = count_parameters(model)["total"]
+    base_model = copy.deepcopy(model) if args.baseline else None  # same initial weights for both recipes
+
+    total_steps = args.steps * (args.repeats + 1)
+    ours = OursRecipe(model, device, profile.lr, total_steps, args.fused)
+    compile_status = "off"
+    if args.compile:
+        compiled, compile_status = try_compile(model, device, dynamic=True if args.strategy == "budget" else None)
+        ours.model = compiled
+
+    def run_ours() -> None:
+        for mbs in s["ours"]:
+            ours.train_step(mbs)
+
+    baseline = None
+    if args.baseline:
+        baseline = BaselineRecipe(base_model, device, lr=profile.lr, accumulation_steps=s["accum"],
+                                  total_steps=total_steps * s["accum"])
+
+    def run_base() -> None:
+        for mbs in s["base"]:
+            baseline.train_step(mbs)
+
+    # Warm-up (untimed): allocator, kernel choice, and compilation. A compiled model sees every step's
+    # shapes here, so no (re)compilation lands in the timed repeats; a compile failure falls back to eager.
+    t0 = time.perf_counter()
+    try:
+        if compile_status == "compiled":
+            run_ours()
+        else:
+            ours.train_step(s["ours"][0])
+    except Exception as exc:  # noqa: BLE001
+        if compile_status != "compiled":
+            raise
+        compile_status = f"compile unavailable: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+        ours.model = model
+        ours.optimizer.zero_grad(set_to_none=True)
+        ours.train_step(s["ours"][0])
+    warmup_s = time.perf_counter() - t0
+    if baseline is not None:
+        baseline.train_step(s["base"][0])
+
+    times_ours, times_base = [], []
+    for r in range(args.repeats):
+        order = [("ours", run_ours), ("base", run_base)] if baseline is not None else [("ours", run_ours)]
+        if r % 2 == 1:
+            order.reverse()  # alternate who goes first, so drift on a shared machine hits both alike
+        for name, fn in order:
+            (times_ours if name == "ours" else times_base).append(_timed(fn, device))
+
+    tokens = sum(step_token_count(m) for m in s["ours"])
+    padded = sum(mb["input_ids"].numel() for m in s["ours"] for mb in m)
+    t_ours = statistics.median(times_ours)
+    flops = sum(useful_flops(m, config, n_params) for m in s["ours"])
+    amp_dtype = ours.amp.dtype or torch.float32
+    peak_mm = measure_matmul_peak(device, amp_dtype)
+    result = {
+        "benchmark": "throughput",
+        "device": device.type,
+        "device_name": device_name(device),
+        "profile": profile.name,
+        "torch": torch.__version__,
+        "config": {"preset": s["preset"], **config.to_dict()},
+        "n_params": n_params,
+        "seq": s["seq"], "batch": s["batch"], "accum": s["accum"], "max_tokens": s["max_tokens"],
+        "steps": args.steps, "repeats": args.repeats, "strategy": args.strategy,
+        "threads": torch.get_num_threads() if device.type == "cpu" else None,
+        "amp": ours.amp.name, "optimizer": f"AdamW ({ours.optimizer_impl})", "compile": compile_status,
+        "warmup_seconds": round(warmup_s, 3),
+        "tokens_per_s": tokens / t_ours,
+        "trained_tokens_per_repeat": tokens,
+        "processed_tokens_per_s": padded / t_ours,
+        "padding_fraction": 1 - sum(int((mb["labels"] != IGNORE_INDEX).sum()) for m in s["ours"] for mb in m) / padded,
+        "micro_batches_per_step": sum(len(m) for m in s["ours"]) / len(s["ours"]),
+        "model_flops_per_token": model_flops_per_token(config, n_params, s["seq"]),
+        "flops_formula": FLOPS_FORMULA,
+        "achieved_flops_per_s": flops / t_ours,
+        "matmul_peak_flops_per_s": peak_mm,
+        "matmul_dtype": str(amp_dtype).replace("torch.", ""),
+        "fraction_of_matmul_peak": flops / t_ours / peak_mm,
+        "seconds_per_repeat": [round(t, 4) for t in times_ours],
+        **s["data_info"],
+    }
+    if baseline is not None:
+        t_base = statistics.median(times_base)
+        base_tokens = sum(step_token_count(m, "loss_mask") for m in s["base"])
+        base_flops = sum(useful_flops(m, config, n_params, "loss_mask") for m in s["base"])
+        # Each repeat times the two recipes back to back, so its ratio sees the same machine load; the
+        # median of those paired ratios is the headline (robust to load drift between repeats).
+        paired = [(tokens / to) / (base_tokens / tb) for to, tb in zip(times_ours, times_base)]
+        result.update({
+            "ours_tokens_per_s": tokens / t_ours,
+            "baseline_tokens_per_s": base_tokens / t_base,
+            "ratio_useful_tokens_per_s": statistics.median(paired),
+            "ratio_of_median_tokens_per_s": (tokens / t_ours) / (base_tokens / t_base),
+            "ratio_per_repeat": [round(r, 4) for r in paired],
+            "baseline_trained_tokens_per_repeat": base_tokens,
+            "baseline_padding_fraction": 1 - base_tokens / sum(mb["X"].numel() for m in s["base"] for mb in m),
+            "baseline_amp": baseline.amp_name,
+            "baseline_optimizer": "AdamW (torch default)",
+            "baseline_achieved_flops_per_s": base_flops / t_base,
+            "baseline_fraction_of_matmul_peak": base_flops / t_base / peak_mm,
+            "baseline_seconds_per_repeat": [round(t, 4) for t in times_base],
+        })
+    if not args.no_memory:
+        result["peak_memory_bytes"] = peak_memory_of(lambda: ours.train_step(s["ours"][0]), device,
+                                                     model, ours.optimizer, s["ours"][0])
+        if baseline is not None:
+            result["baseline_peak_memory_bytes"] = peak_memory_of(lambda: baseline.train_step(s["base"][0]), device,
+                                                                  base_model, baseline.optimizer, s["base"][0])
+    else:
+        result["peak_memory_bytes"] = None
+    return result
+
+
+# --------------------------------------------------------------------------------------------- levers
+
+
+def chunked_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_tokens: int = 2048,
+                    reduction: str = "sum") -> torch.Tensor:
+    """lm_head + shifted fp32 cross-entropy without materialising the (B, T, V) logits.
+
+    Only positions with a trained next token go through the head; they are processed `chunk_tokens` at a
+    time under activation checkpointing, so at most one chunk's logits (and their gradient) live at once.
+    Equal to model.lm_loss(hidden @ weight.T, labels, reduction) up to float rounding.
+    """
+    if reduction not in ("sum", "mean"):
+        raise ValueError(f"reduction must be 'sum' or 'mean', got {reduction!r}")
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens={chunk_tokens} must be >= 1")
+    from torch.utils.checkpoint import checkpoint
+
+    h = hidden[:, :-1].reshape(-1, hidden.shape[-1])
+    y = labels[:, 1:].reshape(-1)
+    keep = (y != IGNORE_INDEX).nonzero().squeeze(1)
+    h, y = h.index_select(0, keep), y.index_select(0, keep)
+
+    def piece(h_chunk: torch.Tensor, y_chunk: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(F.linear(h_chunk, weight).float(), y_chunk, reduction="sum")
+
+    total = hidden.new_zeros((), dtype=torch.float32)
+    for start in range(0, h.shape[0], chunk_tokens):
+        total = total + checkpoint(piece, h[start:start + chunk_tokens], y[start:start + chunk_tokens],
+                                   use_reentrant=False)
+    return total / max(1, y.numel()) if reduction == "mean" else total
+
+
+def enable_activation_checkpointing(model: nn.Module, n_layers: int | None = None) -> int:
+    """Recompute the first `n_layers` blocks' activations in backward (all if None); returns how many.
+
+    The block's forward is wrapped on the instance, so parameter names (and checkpoints) do not change.
+    """
+    from torch.utils.checkpoint import checkpoint
+
+    layers = model.model.layers
+    n = len(layers) if n_layers is None else max(0, min(int(n_layers), len(layers)))
+    for layer in list(layers)[:n]:
+        if getattr(layer, "_checkpointed", False):
+            continue
+        inner = layer.forward
+
+        def forward(*a, _inner=inner, **kw):
+            return checkpoint(_inner, *a, use_reentrant=False, **kw)
+
+        layer.forward = forward
+        layer._checkpointed = True
+    return n
+
+
+def _alternate(fns: dict[str, Callable[[], object]], device: torch.device, repeats: int) -> dict[str, float]:
+    """Median seconds of each fn, timed in rotating order `repeats` times after one warm-up each."""
+    for fn in fns.values():
+        fn()
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    names = list(fns)
+    for r in range(repeats):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            times[name].append(_timed(fns[name], device))
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def _fwd_bwd(model: nn.Module, mb: dict, amp_dtype, device: torch.device, loss_fn=None) -> Callable[[], None]:
+    """A closure: forward + sum-loss + backward on one micro-batch, grads dropped afterwards."""
+    from ..model import lm_loss
+
+    mb = {k: v.to(device) for k, v in mb.items()}
+
+    def run() -> None:
+        with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+            if loss_fn is None:
+                kwargs = {k: mb[k] for k in ("attention_mask", "position_ids") if k in mb}
+                loss = lm_loss(model(mb["input_ids"], **kwargs).logits, mb["labels"], reduction="sum")
+            else:
+                loss = loss_fn(model, mb)
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    return run
+
+
+def run_levers(args: argparse.Namespace) -> dict:
+    """Each lever as a ratio measured in this process (alternating repeats), with peak memory where it matters."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from ..device import device_name
+    from ..train import resolve_amp
+
+    s = _setup(args)
+    device, config, profile = s["device"], s["config"], s["profile"]
+    amp = resolve_amp("auto", device)
+    dt = amp.dtype
+    reps = args.lever_repeats
+    model = _new_model(config, device, args.seed)
+    big = max(s["ours"][0], key=lambda mb: mb["input_ids"].numel())  # our largest micro-batch of step 0
+    full = s["base"][0][0]  # a MiniMind row batch (batch x seq)
+    full_mb = {"input_ids": torch.cat([full["X"], full["Y"][:, -1:]], 1)}
+    full_mb["labels"] = full_mb["input_ids"].masked_fill(
+        torch.cat([torch.ones_like(full["loss_mask"][:, :1]), full["loss_mask"]], 1) == 0, IGNORE_INDEX)
+    levers: dict[str, dict] = {}
+
+    def want(name: str) -> bool:
+        return not args.only or name in args.only
+
+    # 1. fused AdamW: optimizer.step() alone, and its share of a training step.
+    if want("fused_adamw"):
+        params = [p for p in model.parameters()]
+        for p in params:
+            p.grad = torch.randn_like(p) * 1e-3
+        impls = {"default": {}, "foreach": {"foreach": True}}
+        if fused_adamw_supported(device):
+            impls["fused"] = {"fused": True}
+        opts = {k: torch.optim.AdamW(params, lr=1e-4, **kw) for k, kw in impls.items()}
+        fns = {k: (lambda o=o: o.step()) for k, o in opts.items()}
+        fns["fwd_bwd"] = _fwd_bwd(copy.deepcopy(model), big, dt, device)  # a copy: its zero_grad must not touch ours
+        t = _alternate(fns, device, reps)
+        step_t = t.pop("fwd_bwd")
+        model.zero_grad(set_to_none=True)
+        del opts, fns
+        levers["fused_adamw"] = {
+            "seconds_ratio_vs_default": {k: v / t["default"] for k, v in t.items()},
+            "default_step_share_of_one_micro_batch_fwd_bwd": t["default"] / step_t,
+            "fused_available": "fused" in t,
+            "note": "optimizer.step() time relative to torch's default AdamW (MiniMind's); the share says how much "
+                    "of one micro-batch's forward+backward the default step costs (paid once per optimizer step)",
+        }
+
+    # 2. SDPA backend, and the padding mask that would force the masked (slower) path.
+    if want("sdpa_backend"):
+        backends = {"default": None, "math": [SDPBackend.MATH]}
+        if device.type == "cuda":
+            backends.update({"flash": [SDPBackend.FLASH_ATTENTION], "efficient": [SDPBackend.EFFICIENT_ATTENTION],
+                             "cudnn": [SDPBackend.CUDNN_ATTENTION]})
+        else:
+            backends["flash"] = [SDPBackend.FLASH_ATTENTION]
+        fns = {}
+        base_fn = _fwd_bwd(model, big, dt, device)
+        for name, kinds in backends.items():
+            def run(kinds=kinds):
+                with (sdpa_kernel(kinds) if kinds else nullcontext()):
+                    base_fn()
+            try:
+                run()
+                fns[name] = run
+            except RuntimeError as exc:
+                levers.setdefault("sdpa_backend_unavailable", {})[name] = str(exc).splitlines()[0][:160]
+        masked = dict(big)
+        masked["attention_mask"] = (big["labels"] != IGNORE_INDEX).long()  # the (B, T) padding mask
+        masked["attention_mask"][:, 0] = 1
+        fns["default_with_padding_mask"] = _fwd_bwd(model, masked, dt, device)
+        t = _alternate(fns, device, reps)
+        levers["sdpa_backend"] = {
+            "seconds_ratio_vs_default": {k: v / t["default"] for k, v in t.items()},
+            "micro_batch_shape": list(big["input_ids"].shape),
+            "note": "forward+backward of one micro-batch under each SDPA backend; with_padding_mask passes the (B,T) "
+                    "mask our right-padded batches do not need (it forces an explicit-mask kernel)",
+        }
+
+    # 3. chunked cross-entropy: peak memory and time of the head+loss, full logits vs chunks.
+    if want("chunked_cross_entropy"):
+        def chunked_loss(m, mb, chunk=max(256, s["seq"] * 4)):
+            h, _ = m.model(mb["input_ids"])
+            return chunked_lm_loss(h, m.lm_head.weight, mb["labels"], chunk_tokens=chunk)
+
+        with torch.no_grad():
+            dev_mb = {k: v.to(device) for k, v in full_mb.items()}
+            from ..model import lm_loss
+            with torch.autocast(device.type, dtype=dt, enabled=dt is not None):
+                ref = float(lm_loss(model(dev_mb["input_ids"]).logits, dev_mb["labels"], reduction="sum"))
+                got = float(chunked_loss(model, dev_mb))
+        fn_full = _fwd_bwd(model, full_mb, dt, device)
+        fn_chunk = _fwd_bwd(model, full_mb, dt, device, loss_fn=chunked_loss)
+        t = _alternate({"full_logits": fn_full, "chunked": fn_chunk}, device, reps)
+        mem_full = peak_memory_of(fn_full, device, model, full_mb)
+        mem_chunk = peak_memory_of(fn_chunk, device, model, full_mb)
+        levers["chunked_cross_entropy"] = {
+            "seconds_ratio_chunked_vs_full": t["chunked"] / t["full_logits"],
+            "peak_memory_bytes_full": mem_full, "peak_memory_bytes_chunked": mem_chunk,
+            "peak_memory_ratio_chunked_vs_full": mem_chunk / mem_full if mem_full > 0 else None,
+            "loss_rel_diff": abs(got - ref) / max(abs(ref), 1e-12),
+            "micro_batch_shape": list(full_mb["input_ids"].shape),
+            "note": "forward+backward of a MiniMind-size micro-batch (batch x seq); chunked = only trained positions "
+                    "through the 6400-way head, a few thousand at a time, recomputed in backward",
+        }
+
+    # 4. activation checkpointing: time and peak memory for 0, half, all blocks recomputed.
+    if want("activation_checkpointing"):
+        L = config.num_hidden_layers
+        ks = sorted({0, L // 2, L})
+        copies = {}
+        for k in ks:
+            copies[k] = copy.deepcopy(model)
+            enable_activation_checkpointing(copies[k], k)
+        fns = {k: _fwd_bwd(m, full_mb, dt, device) for k, m in copies.items()}
+        t = _alternate(fns, device, reps)  # alternated, so machine load hits every point alike
+        mem = {k: peak_memory_of(fns[k], device, copies[k], full_mb) for k in ks}
+        curve = [{"checkpointed_layers": k, "seconds_ratio": t[k] / t[0], "peak_memory_bytes": mem[k],
+                  "peak_memory_ratio": mem[k] / mem[0] if mem[0] > 0 else None} for k in ks]
+        del copies, fns
+        levers["activation_checkpointing"] = {"curve": curve, "note": "ratios vs no checkpointing, same micro-batch"}
+
+    # 5. torch.compile (only with --compile: compiling is slow on a small CPU).
+    if want("torch_compile"):
+        if args.compile:
+            m = copy.deepcopy(model)
+            compiled, status = try_compile(m, device)
+            entry = {"status": status}
+            if status == "compiled":
+                try:
+                    t_c = time.perf_counter()
+                    _fwd_bwd(compiled, full_mb, dt, device)()
+                    entry["compile_seconds"] = time.perf_counter() - t_c
+                    t = _alternate({"eager": _fwd_bwd(model, full_mb, dt, device),
+                                    "compiled": _fwd_bwd(compiled, full_mb, dt, device)}, device, reps)
+                    entry["seconds_ratio_compiled_vs_eager"] = t["compiled"] / t["eager"]
+                except Exception as exc:  # noqa: BLE001
+                    entry["status"] = f"compile unavailable: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+            levers["torch_compile"] = entry
+        else:
+            levers["torch_compile"] = {"status": "not measured (pass --compile)"}
+
+    # 6. pinned memory + non_blocking host-to-device copies (only a thing with a GPU).
+    if want("pinned_memory"):
+        if device.type == "cuda":
+            host = {k: v.clone() for k, v in full_mb.items()}
+            pinned = {k: v.pin_memory() for k, v in full_mb.items()}
+            t = _alternate({"pageable": lambda: [v.to(device) for v in host.values()],
+                            "pinned_non_blocking": lambda: [v.to(device, non_blocking=True) for v in pinned.values()]},
+                           device, max(reps, 10))
+            levers["pinned_memory"] = {"seconds_ratio_pinned_vs_pageable": t["pinned_non_blocking"] / t["pageable"],
+                                       "pageable_copy_share_of_fwd_bwd":
+                                       t["pageable"] / _alternate({"x": _fwd_bwd(model, full_mb, dt, device)},
+                                                                  device, 1)["x"]}
+        else:
+            levers["pinned_memory"] = {"status": f"not applicable on {device.type}: pinning only speeds host-to-GPU copies"}
+
+    # 7. DataLoader workers: MiniMind-style lazy tokenization in __getitem__, 0 vs 2 workers, vs training speed.
+    if want("dataloader_workers"):
+        from ..data import PretrainDataset, make_collator, measure_dataloader
+        from ..paths import DATA_DIR
+
+        data = Path(args.data) if args.data else DATA_DIR / "pretrain.jsonl"
+        lazy = PretrainDataset(data, s["tok"], s["seq"], max_samples=min(2000, args.max_samples or 2000), lazy=True)
+        collate = make_collator("max_length", s["tok"].pad_token_id, s["seq"])
+        n_batches = max(2, min(20, len(lazy) // s["batch"]))
+        loader = {w: measure_dataloader(lazy, collate, s["batch"], num_workers=w, epochs=1, max_batches=n_batches)
+                  for w in (0, 2)}
+        train_samples_per_s = s["batch"] / _alternate({"x": _fwd_bwd(model, full_mb, dt, device)}, device, 1)["x"]
+        levers["dataloader_workers"] = {
+            "samples_per_s": {f"workers_{w}": r["samples_per_s"] for w, r in loader.items()},
+            "training_samples_per_s_fwd_bwd": train_samples_per_s,
+            "note": "lazy (tokenize-in-__getitem__) loader throughput incl. worker start-up, vs how fast one "
+                    "forward+backward consumes samples; the loader only matters if it is slower than training",
+        }
+
+    return {"benchmark": "throughput-levers", "device": device.type, "device_name": device_name(device),
+            "profile": profile.name, "torch": torch.__version__, "config": {"preset": s["preset"], **config.to_dict()},
+            "seq": s["seq"], "batch": s["batch"], "amp": amp.name,
+            "threads": torch.get_num_threads() if device.type == "cpu" else None,
+            "lever_repeats": reps, "levers": levers}
+
+
+def main(argv: Sequence[str]) -> dict:
+    """Parse arguments and run the throughput benchmark (or the levers with --levers); returns the JSON dict."""
+    args = parse_args(argv)
+    return run_levers(args) if args.levers else run_throughput(args)
