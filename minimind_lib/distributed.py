@@ -32,8 +32,7 @@ What this module adds to the one-GPU loop of train.py, and why each piece is the
 - `sharded_memory`: the per-rank memory arithmetic of DDP vs FSDP2 (`torch.distributed.fsdp.fully_shard`).
 
 Not handled here: OOM recovery under DDP (the AdaptiveBatchController's retry would need every rank to retry
-together), and fp16 + GradScaler until train.fit hands its accumulate_fn the forward model (see
-/work/contract/patch-train-ddp.md); bf16 and fp32 work.
+together). fp16 + GradScaler works: fit hands its accumulate_fn (with its scaler) the DDP-wrapped model.
 """
 
 from __future__ import annotations
@@ -442,7 +441,6 @@ class DDPController:
                  collate_fn: Callable[[list], dict] | None = None, pad_id: int = 0, timer: CommTimer | None = None,
                  grad_callback: Callable[[int, nn.Module], Any] | None = None) -> None:
         from .batching import pad_collate
-        from .train import resolve_amp
 
         if getattr(cfg, "normalization", "token") != "token":
             raise ValueError(f"TrainConfig.normalization={cfg.normalization!r}: data-parallel training here is "
@@ -452,35 +450,14 @@ class DDPController:
         self.pad_id = pad_id
         self.timer = timer
         self.grad_callback = grad_callback
-        self.amp = resolve_amp(cfg.amp, info.device)
         self.meter = None
         self.step = 0
         self.samples_seen = 0  # global, over all ranks
         self.tokens_seen = 0  # global trained tokens
-        self._patched_fit: bool | None = None
-
-    def _uses_patched_fit(self, accumulate_fn: Callable) -> bool:
-        """Whether fit's accumulate_fn takes forward_model / n_tokens_total (the patch in patch-train-ddp.md)."""
-        if self._patched_fit is None:
-            try:
-                params = inspect.signature(accumulate_fn).parameters
-            except (TypeError, ValueError):
-                params = {}
-            self._patched_fit = "forward_model" in params and "n_tokens_total" in params
-            if not self._patched_fit and self.amp.use_scaler:
-                raise ValueError(f"amp={self.cfg.amp!r} resolves to fp16 + GradScaler on {self.info.device}; under "
-                                 f"DDP that needs fit() to pass its scaler (patch-train-ddp.md). Use amp='bf16' "
-                                 f"or 'off'")
-        return self._patched_fit
 
     def _accumulate(self, accumulate_fn: Callable, micro: list[dict], n_global: int) -> dict:
-        """Forward+backward of the rank's micro-batches through the DDP model (train.accumulate_step)."""
-        from .train import accumulate_step
-
-        if self._uses_patched_fit(accumulate_fn):
-            return accumulate_fn(micro, forward_model=self.ddp_model, n_tokens_total=n_global)
-        return accumulate_step(self.ddp_model, micro, amp_dtype=self.amp.dtype, scaler=None,
-                               device=self.info.device, n_tokens_total=n_global)
+        """Forward+backward of the rank's micro-batches through the DDP model, with fit's AMP and GradScaler."""
+        return accumulate_fn(micro, forward_model=self.ddp_model, n_tokens_total=n_global)
 
     def run_step(self, rank_micro_samples: Sequence[Sequence[Any]], accumulate_fn: Callable) -> dict:
         """Forward+backward of this rank's share of one optimizer step; returns global loss_sum and n_tokens."""
@@ -527,26 +504,6 @@ class DDPController:
         self.tokens_seen = int(state.get("tokens_seen", 0))
 
 
-@contextlib.contextmanager
-def _checkpoint_writes_on_main_only(info: DistInfo) -> Iterator[None]:
-    """On ranks other than 0, make train.fit's checkpoint writes no-ops (shim until fit takes is_main).
-
-    fit imports checkpoint.save_training_state when it starts, so replacing the module attribute for the
-    duration of the call is enough; every rank still *reads* rank 0's file to resume or roll back.
-    """
-    from . import checkpoint
-
-    if info.is_main:
-        yield
-        return
-    original = checkpoint.save_training_state
-    checkpoint.save_training_state = lambda path, *a, **k: Path(path)
-    try:
-        yield
-    finally:
-        checkpoint.save_training_state = original
-
-
 def fit_distributed(model: nn.Module, step_source: Any, cfg: Any, *, info: DistInfo | None = None,
                     val_batches: Any = None, collate_fn: Callable[[list], dict] | None = None, pad_id: int = 0,
                     resume_from: str | Path | None = None, callbacks: Sequence[Callable] | None = None,
@@ -571,9 +528,8 @@ def fit_distributed(model: nn.Module, step_source: Any, cfg: Any, *, info: DistI
 
         controller.meter = MemoryMeter(info.device)
     run_cfg = cfg if info.is_main else dataclasses.replace(cfg, progress=False)
-    with _checkpoint_writes_on_main_only(info):
-        df = fit(model, step_source, run_cfg, device=info.device, val_batches=val_batches if info.is_main else None,
-                 controller=controller, callbacks=callbacks, resume_from=resume_from)
+    df = fit(model, step_source, run_cfg, device=info.device, val_batches=val_batches if info.is_main else None,
+             controller=controller, callbacks=callbacks, resume_from=resume_from, is_main_process=info.is_main)
     df.attrs.update({"world_size": info.world_size, "backend": info.backend or "none", "rank": info.rank})
     return df
 

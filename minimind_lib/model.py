@@ -142,7 +142,7 @@ def build_attention_mask(
 ) -> torch.Tensor | None:
     """The boolean (B, 1, T, past+T) mask for SDPA (True = may attend), or None when plain causal suffices.
 
-    - no mask (or a padding mask without padding), no cache: None (SDPA's is_causal=True is faster).
+    - no mask, or a padding mask that only pads on the right, and no cache: None (SDPA's is_causal=True is faster).
     - (B, past+T) padding mask (1 = real token): causal with offset AND key is real.
     - (B, 1, T, past+T) bool block mask (packed documents): used as given.
     A query row with no allowed key (a pad row) attends to itself, so SDPA never produces NaN there.
@@ -158,8 +158,11 @@ def build_attention_mask(
                 f"padding attention_mask has shape {tuple(attention_mask.shape)}, expected (batch, past+seq) = "
                 f"({batch}, {k_len})"
             )
-        if past_len == 0 and bool(attention_mask.all()):
-            return None  # no padding in this batch: keep SDPA's fast is_causal path
+        if past_len == 0 and bool((attention_mask[:, :-1] >= attention_mask[:, 1:]).all()):
+            # No padding, or only right padding (what the collators make): real tokens never see a pad under
+            # plain causal attention, so SDPA's fast is_causal path is exact for every real token. Pad positions
+            # then attend to earlier tokens instead of themselves, and their outputs are never trained or read.
+            return None
         mask = attention_mask.bool()[:, None, None, :]  # (B, 1, 1, K)
     elif attention_mask.dim() == 4:
         if attention_mask.dtype != torch.bool:

@@ -309,12 +309,21 @@ def test_distributed_step_source_deals_dataset_samples():
     assert sorted(got) == sorted(id(x) for x in ds)  # the dataset's own samples, each once
 
 
-def test_controller_refuses_fp16_scaler_until_fit_passes_it():
+def test_controller_runs_fits_accumulate_fn_on_the_ddp_model_with_the_global_count():
+    # The controller must go through fit's accumulate_fn (so fit's GradScaler is used, fp16 included), hand it the
+    # DDP wrapper (whose hooks all-reduce the gradients) and the step's global token count.
     from minimind_lib.train import TrainConfig
 
-    model = torch.nn.Linear(2, 2)
-    ctrl = D.DDPController(model, model, D.DistInfo(), TrainConfig(amp="fp16"))
-    with pytest.raises(ValueError, match="fp16 \\+ GradScaler"):
-        ctrl._uses_patched_fit(lambda micro_batches: {})
-    patched = lambda micro_batches, *, forward_model=None, n_tokens_total=None: {}  # noqa: E731
-    assert D.DDPController(model, model, D.DistInfo(), TrainConfig(amp="fp16"))._uses_patched_fit(patched)
+    model, wrapper = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    ctrl = D.DDPController(model, wrapper, D.DistInfo(), TrainConfig(amp="fp16"))
+    calls = []
+
+    def accumulate_fn(micro_batches, *, forward_model=None, n_tokens_total=None):
+        calls.append((len(micro_batches), forward_model, n_tokens_total))
+        return {"loss_sum": 1.5, "n_tokens": n_tokens_total}
+
+    samples = D.synthetic_samples(3, min_len=4, max_len=9, seed=1)
+    stats = ctrl.run_step([samples[:2], samples[2:]], accumulate_fn)
+    n_tokens = sum(int((s["labels"][1:] != -100).sum()) for s in samples)
+    assert calls == [(2, wrapper, n_tokens)]
+    assert stats["n_tokens"] == n_tokens and stats["loss_sum"] == 1.5
