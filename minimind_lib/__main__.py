@@ -1,7 +1,10 @@
 """Command line: `python -m minimind_lib COMMAND`.
 
 Commands:
-  info    print JSON facts about the device and the selected profile
+  info      print JSON facts about the device and the selected profile
+  pretrain  pretrain a model on a {"text"} jsonl file (MiniMind's pretrain_hq.jsonl works unchanged)
+  sft       fine-tune a pretrained run on a {"conversations"} jsonl file
+  chat      talk to a trained run directory
 """
 
 from __future__ import annotations
@@ -29,6 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--profile", default=None, help="profile name (default: MINIMIND_PROFILE or auto)")
     info.add_argument("--compact", action="store_true", help="one-line JSON")
     info.set_defaults(func=cmd_info)
+    from .cli import add_subcommands
+
+    add_subcommands(sub)
     return parser
 
 

@@ -1,0 +1,161 @@
+"""Command-line twins of notebooks 07 and 08: `python -m minimind_lib pretrain|sft|chat ...`.
+
+They call the same `minimind_lib.pipeline` functions as the notebooks (no copy of the training logic):
+
+  pretrain --data PATH --out DIR [--config minimind2-small] [--max-tokens N] [--accum K]
+           [--amp auto|bf16|fp16|off] [--steps N] [--profile NAME] [--resume]
+  sft      --data PATH --out DIR --init PRETRAIN_DIR [same options]
+  chat     --ckpt DIR [--prompt TEXT] [--temperature T] [--top-p P] [--seed S]
+
+Every bad input (missing/corrupt checkpoint, missing data, tokenizer/model vocab mismatch, --resume with other
+settings) prints one clear `error: ...` line on stderr and exits with code 2, before anything in --out is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+EXIT_BAD_INPUT = 2
+
+
+def _add_train_args(p: argparse.ArgumentParser, stage: str) -> None:
+    p.add_argument("--data", default=None, help=f"jsonl file (default: data/{'pretrain' if stage == 'pretrain' else 'sft'}.jsonl); "
+                   "MiniMind's own files work unchanged")
+    p.add_argument("--out", required=True, help="run directory to write (config.json, model.pth, tokenizer/, metrics.csv, last.pt)")
+    p.add_argument("--profile", default=None, help="sizes from this profile: smoke, cpu, gpu (default: MINIMIND_PROFILE or auto)")
+    if stage == "pretrain":
+        p.add_argument("--config", default=None, help="model preset: minimind2-small, cpu, smoke (default: the profile's)")
+        p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the bundled 6400-token tokenizer)")
+    else:
+        p.add_argument("--init", required=True, help="the pretraining run directory to start from")
+    p.add_argument("--max-tokens", type=int, default=None, help="padded tokens per micro-batch (default: the profile's)")
+    p.add_argument("--accum", type=int, default=None, help="micro-batches per optimizer step (default: the profile's)")
+    p.add_argument("--amp", choices=("auto", "bf16", "fp16", "off"), default="auto", help="mixed precision (default: auto)")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the profile's)")
+    p.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the profile's)")
+    p.add_argument("--seq-len", type=int, default=None, help="longest sample in tokens (default: the profile's)")
+    p.add_argument("--val-data", default=None, help="validation jsonl (pretrain default: data/pretrain_val.jsonl)")
+    p.add_argument("--val-batches", type=int, default=4, help="validation micro-batches per evaluation (default 4)")
+    p.add_argument("--eval-every", type=int, default=None, help="optimizer steps between validations (default: the profile's)")
+    p.add_argument("--cache", default=None, help="memmap cache directory (default: next to --out)")
+    p.add_argument("--max-samples", type=int, default=None, help="read at most N samples (0: all; default: the profile's)")
+    p.add_argument("--device", default=None, help="cuda, mps or cpu (default: the best available)")
+    p.add_argument("--resume", action="store_true", help="continue --out from its last.pt (same settings required)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing run in --out")
+    p.add_argument("--stop-after", type=int, default=None,
+                   help="stop (with a checkpoint) after N steps of the --steps schedule; continue later with --resume")
+    p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def _train_kwargs(args: argparse.Namespace) -> dict:
+    kw = dict(profile=args.profile, max_tokens=args.max_tokens, accum=args.accum, amp=args.amp, steps=args.steps,
+              lr=args.lr, seq_len=args.seq_len, val_data=args.val_data, cache_dir=args.cache,
+              val_batches=args.val_batches, eval_every=args.eval_every,
+              max_samples=args.max_samples, device=args.device, resume=args.resume, overwrite=args.overwrite,
+              stop_after=args.stop_after, seed=args.seed, progress=not args.no_progress,
+              log=lambda msg: print(msg, file=sys.stderr, flush=True))
+    return kw
+
+
+def _print_summary(result) -> None:
+    print(json.dumps({"out": str(result.out_dir), **result.summary}, indent=2, default=str))
+
+
+def cmd_pretrain(args: argparse.Namespace) -> int:
+    """Pretrain into --out and print the run's summary as JSON."""
+    from .pipeline import pretrain
+
+    result = pretrain(args.data, args.out, config=args.config, tokenizer_dir=args.tokenizer, **_train_kwargs(args))
+    _print_summary(result)
+    return 0
+
+
+def cmd_sft(args: argparse.Namespace) -> int:
+    """Fine-tune --init on chat data into --out and print the run's summary as JSON."""
+    from .pipeline import sft
+
+    result = sft(args.data, args.out, init=args.init, **_train_kwargs(args))
+    _print_summary(result)
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    """One answer with --prompt; otherwise a REPL when stdin is a terminal, else one answer per stdin line."""
+    from .chat_widget import chat
+    from .pipeline import load_run
+
+    model, tok, _ = load_run(args.ckpt, device=args.device)
+    opts = dict(temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens, seed=args.seed)
+    if args.prompt is not None:
+        print(chat(args.prompt, model, tok, **opts))
+        return 0
+    history: list[dict] | None = [] if sys.stdin.isatty() else None
+    if sys.stdin.isatty():
+        print("chat with the model (Ctrl-D or /exit to quit, /reset to forget the conversation)", file=sys.stderr)
+    while True:
+        try:
+            line = input("you> " if sys.stdin.isatty() else "")
+        except (EOFError, KeyboardInterrupt):
+            print(file=sys.stderr)
+            return 0
+        line = line.strip()
+        if not line:
+            continue
+        if line in ("/exit", "/quit"):
+            return 0
+        if line == "/reset":
+            history = [] if history is not None else None
+            continue
+        if sys.stdin.isatty():
+            print("model> ", end="", flush=True)
+            chat(line, model, tok, history=history, stream=lambda s: print(s, end="", flush=True), **opts)
+            print()
+        else:
+            print(chat(line, model, tok, **opts), flush=True)
+
+
+def add_subcommands(subparsers) -> None:
+    """Register pretrain, sft and chat on an argparse subparsers object (minimind_lib.__main__ calls this)."""
+    p = subparsers.add_parser("pretrain", help="pretrain a MiniMind model on a {'text'} jsonl file")
+    _add_train_args(p, "pretrain")
+    p.set_defaults(func=cmd_pretrain)
+    s = subparsers.add_parser("sft", help="supervised fine-tuning on a {'conversations'} jsonl file")
+    _add_train_args(s, "sft")
+    s.set_defaults(func=cmd_sft)
+    c = subparsers.add_parser("chat", help="chat with a trained run directory")
+    c.add_argument("--ckpt", required=True, help="a run directory (config.json, model.pth, tokenizer/)")
+    c.add_argument("--prompt", default=None, help="answer this one prompt and exit")
+    c.add_argument("--temperature", type=float, default=0.7, help="0 = greedy (default 0.7)")
+    c.add_argument("--top-p", type=float, default=0.9)
+    c.add_argument("--max-new-tokens", type=int, default=128)
+    c.add_argument("--seed", type=int, default=None, help="fix the sampling: same seed, same answer")
+    c.add_argument("--device", default=None)
+    c.set_defaults(func=cmd_chat)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """A parser with only this module's subcommands (for `python -m minimind_lib.cli`)."""
+    parser = argparse.ArgumentParser(prog="python -m minimind_lib", description=__doc__.splitlines()[0])
+    add_subcommands(parser.add_subparsers(dest="command", required=True))
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run a parsed command; bad input becomes `error: ...` on stderr and exit code 2."""
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError, FileExistsError, RuntimeError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse argv and run the command."""
+    return run(build_parser().parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,189 @@
+"""Tests of minimind_lib.pipeline (the runs behind notebooks 07/08 and the CLI) and minimind_lib.chat_widget."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+
+import pytest
+import torch
+
+from minimind_lib import pipeline
+from minimind_lib.chat_widget import ChatBox, chat, chat_prompt_ids, chat_reply
+
+torch.set_num_threads(1)
+
+TINY = dict(profile="smoke", seq_len=32, max_tokens=128, accum=1, max_samples=48, val_batches=1, progress=False,
+            log=lambda msg: None)
+
+
+@pytest.fixture(scope="module")
+def pre(tmp_path_factory):
+    base = tmp_path_factory.mktemp("pipe")
+    result = pipeline.pretrain(out=base / "pre", steps=3, cache_dir=base / "cache", sample_every=2,
+                               sample_prompts=["ROMEO.\n"], **TINY)
+    return result
+
+
+@pytest.fixture(scope="module")
+def sft_run(pre):
+    return pipeline.sft(out=pre.out_dir.parent / "sft", init=pre.out_dir, steps=2, cache_dir=pre.out_dir.parent / "cache",
+                        **TINY)
+
+
+def test_pretrain_result_and_metrics(pre):
+    df = pre.metrics
+    assert df["step"].tolist() == [-1, 0, 1, 2]
+    first = df.iloc[0]  # the validation loss before training, at 0 tokens seen
+    assert first["tokens_seen"] == 0 and abs(first["val_loss"] - math.log(6400)) < 0.3
+    for col in ("loss", "lr", "tokens", "tokens_per_s", "tokens_seen", "peak_memory_bytes", "val_loss", "grad_norm"):
+        assert col in df.columns, col
+    assert df["tokens_seen"].is_monotonic_increasing
+    assert not df["loss"].iloc[1:].isna().any()
+    assert pre.summary["steps"] == 3 and pre.summary["tokens"] == int(df["tokens"].sum())
+    assert pre.summary["initial_val_loss"] == pytest.approx(first["val_loss"])
+    assert pre.summary["final_val_loss"] == pytest.approx(df["val_loss"].dropna().iloc[-1])
+    assert pre.summary["peak_memory_bytes"] > 0  # measured by MemoryMeter on CPU
+    assert json.loads((pre.out_dir / "summary.json").read_text())["tokens"] == pre.summary["tokens"]
+
+
+def test_sample_generations_at_intervals(pre):
+    assert [s["step"] for s in pre.samples] == [2]
+    assert pre.samples[0]["prompt"] == "ROMEO.\n" and isinstance(pre.samples[0]["text"], str)
+    lines = (pre.out_dir / "samples.jsonl").read_text(encoding="utf-8").splitlines()
+    assert [json.loads(line) for line in lines] == pre.samples
+
+
+def test_load_run_round_trip(pre):
+    model, tok, cfg = pipeline.load_run(pre.out_dir)
+    assert cfg["stage"] == "pretrain" and tok.vocab_size == 6400
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, pre.model.state_dict()[k].cpu())
+
+
+def test_load_run_refuses_another_tokenizer(pre, tmp_path):
+    from minimind_lib.tokenizer import Tokenizer
+
+    run = tmp_path / "run"
+    shutil.copytree(pre.out_dir, run)
+    shutil.rmtree(run / "tokenizer")
+    from minimind_lib.paths import DATA_DIR
+
+    texts = [json.loads(line)["text"] for line in (DATA_DIR / "pretrain_val.jsonl").open()][:50]
+    Tokenizer.train(texts, vocab_size=300).save(run / "tokenizer")
+    with pytest.raises(ValueError, match="vocab_size=300.*vocab_size=6400"):
+        pipeline.load_run(run)
+
+
+def test_load_run_refuses_a_different_tokenizer_of_the_same_size(pre, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(pre.out_dir, run)
+    cfg = json.loads((run / "config.json").read_text())
+    cfg["tokenizer"]["fingerprint"] = "0" * 16
+    (run / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="not the one the model was trained with"):
+        pipeline.load_run(run)
+
+
+def test_overwrite_replaces_a_run(pre, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(pre.out_dir, run)
+    with pytest.raises(ValueError, match="already holds a run"):
+        pipeline.pretrain(out=run, steps=1, cache_dir=pre.out_dir.parent / "cache", **TINY)
+    result = pipeline.pretrain(out=run, steps=1, overwrite=True, cache_dir=pre.out_dir.parent / "cache",
+                               sample_prompts=[], **TINY)
+    assert result.summary["steps"] == 1 and not (run / "samples.jsonl").exists()
+
+
+def test_bad_arguments(tmp_path):
+    with pytest.raises(TypeError, match="unknown argument"):
+        pipeline.pretrain(out=tmp_path / "r", stepz=3)
+    with pytest.raises(ValueError, match="max_tokens=16 is smaller than seq_len=32"):
+        pipeline.pretrain(out=tmp_path / "r", **{**TINY, "max_tokens": 16})
+    with pytest.raises(ValueError, match="sft needs --init"):
+        pipeline.sft(out=tmp_path / "s", **TINY)
+    with pytest.raises(FileNotFoundError, match="validation data file not found"):
+        pipeline.pretrain(out=tmp_path / "r", val_data=tmp_path / "v.jsonl", **TINY)
+    with pytest.raises(ValueError, match="unknown model preset"):
+        pipeline.pretrain(out=tmp_path / "r", config="huge", **TINY)
+    assert not (tmp_path / "r").exists() and not (tmp_path / "s").exists()
+
+
+def test_run_dir_for(monkeypatch, tmp_path):
+    monkeypatch.setenv("MINIMIND_RUNS_DIR", str(tmp_path))
+    assert pipeline.run_dir_for("smoke", "pretrain") == tmp_path / "smoke" / "pretrain"
+
+
+def test_sft_holds_out_validation_and_trains_assistant_tokens(sft_run, pre):
+    assert sft_run.config["stage"] == "sft" and sft_run.config["sft_val_holdout"] >= 1
+    assert sft_run.config["init"] == str(pre.out_dir.resolve())
+    df = sft_run.metrics
+    assert df["step"].tolist() == [-1, 0, 1] and not df["val_loss"].isna().all()
+
+
+def test_chat_functions_are_deterministic_with_a_seed(sft_run):
+    m, tok = sft_run.model, sft_run.tokenizer
+    a = chat("Hello!", m, tok, seed=3, max_new_tokens=10, temperature=1.0)
+    b = chat("Hello!", m, tok, seed=3, max_new_tokens=10, temperature=1.0)
+    assert a == b
+    pieces = []
+    c = chat_reply(m, tok, [{"role": "user", "content": "Hello!"}], seed=3, max_new_tokens=10, temperature=1.0,
+                   stream=pieces.append)
+    assert c == a and "".join(pieces).strip() == c
+    info: dict = {}
+    chat("Hello!", m, tok, seed=3, max_new_tokens=10, temperature=1.0, details=info)
+    assert 1 <= info["n_tokens"] <= 10 and isinstance(info["ended"], bool)
+    assert info["ended"] == (info["n_tokens"] < 10 or info["ended"])
+
+
+def test_chat_history_and_prompt_ids(sft_run):
+    tok = sft_run.tokenizer
+    ids = chat_prompt_ids(tok, [{"role": "user", "content": "hi"}])
+    assert tok.decode(ids).endswith("<|im_start|>assistant\n")
+    history: list[dict] = []
+    chat("hi", sft_run.model, tok, history=history, system="be brief", max_new_tokens=3, seed=0)
+    assert [t["role"] for t in history] == ["system", "user", "assistant"]
+    with pytest.raises(ValueError, match="must end with a 'user' turn"):
+        chat_reply(sft_run.model, tok, [{"role": "assistant", "content": "x"}])
+
+
+def test_chat_box_with_and_without_widget(sft_run):
+    box = ChatBox(sft_run.model, sft_run.tokenizer, seed=5, max_new_tokens=6)
+    plain = box.ask("Hello!")
+    w = box.widget()
+    assert len(w.children) == 3
+    box._temp.value, box._top_p.value = 0.7, 0.9
+    assert box.ask("Hello!") == plain  # same seed and sliders: same answer, now streamed into the widget
+    assert "Hello!" in box._answer.value and box.transcript[-1] == ("Hello!", plain)
+
+
+def test_run_hooks_checkpoint_on_the_last_and_stop_steps():
+    from minimind_lib.train import TrainConfig
+
+    cfg = TrainConfig(max_steps=10, ckpt_every=4, progress=False)
+    saved = []
+    hooks = pipeline._RunHooks(cfg, start_step=0, stop_after=6, sample_every=0, sample_fn=None,
+                               on_ckpt=lambda rows: saved.append(len(rows)))
+    armed = []
+    for step in range(10):
+        armed.append(cfg.ckpt_every)
+        if hooks(step, {"skipped": False, "event": ""}) == "stop":
+            break
+    # the step finishing as step 6 (0-based 5) is checkpointed (ckpt_every 1), the others at the normal cadence
+    assert armed == [4, 4, 4, 4, 4, 1] and step == 5
+
+
+def test_plan_run_caps_notebook_runs_and_keeps_gpu_sizes():
+    from minimind_lib.profiles import get_profile
+
+    smoke = pipeline.plan_run("smoke", "pretrain")
+    prof = get_profile("smoke")
+    assert smoke["steps"] <= prof.pretrain_steps and smoke["accum"] <= prof.accum_steps
+    assert smoke["max_tokens"] >= prof.seq_len and "notebook runs" in smoke["reason"]
+    gpu = pipeline.plan_run("gpu", "sft")
+    g = get_profile("gpu")
+    assert (gpu["steps"], gpu["accum"], gpu["max_tokens"]) == (g.sft_steps, g.accum_steps, g.max_tokens)
+    assert set(pipeline.plan_kwargs(gpu)) == {"steps", "accum", "max_tokens", "eval_every"}
+    with pytest.raises(ValueError, match="stage='dpo'"):
+        pipeline.plan_run("smoke", "dpo")
