@@ -29,7 +29,7 @@ unit: venv
 	MINIMIND_PROFILE=smoke $(PY) -m pytest tests/ -q
 
 notebooks: venv
-	MINIMIND_PROFILE=smoke $(PY) -m pytest --nbval-lax --current-env --nbval-cell-timeout=900 -p no:cacheprovider notebooks/ -q
+	MINIMIND_PROFILE=smoke $(PY) -m pytest --nbval-lax --nbval-current-env --nbval-cell-timeout=900 -p no:cacheprovider notebooks/ -q
 
 # Execute every notebook in order (cpu or gpu profile, chosen as usual) into build/, with its figures.
 course: venv
