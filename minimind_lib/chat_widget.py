@@ -11,7 +11,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from .generate import generate_ids
+from .generate import TextStream, generate_ids
 
 
 def chat_prompt_ids(tokenizer, messages: Sequence[dict]) -> list[int]:
@@ -34,19 +34,8 @@ def chat_reply(model: torch.nn.Module, tokenizer, messages: Sequence[dict], *, t
     if not messages or messages[-1].get("role") != "user":
         raise ValueError("messages must end with a 'user' turn (the question to answer)")
     ids = chat_prompt_ids(tokenizer, messages)
-    emitted: list[int] = []
-    printed = [""]
-
-    def on_token(tok: int) -> None:
-        emitted.append(tok)
-        if stream is None:
-            return
-        text = tokenizer.decode(emitted, skip_special_tokens=True)
-        if text.endswith("\ufffd"):  # an unfinished UTF-8 character: wait for its next byte
-            return
-        piece, printed[0] = text[len(printed[0]):], text
-        if piece:
-            stream(piece)
+    on_token = TextStream(tokenizer, stream)
+    emitted = on_token.ids
 
     new = generate_ids(model, torch.tensor(ids, dtype=torch.long), max_new_tokens=max_new_tokens,
                        temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,

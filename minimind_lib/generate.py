@@ -93,6 +93,27 @@ def generate_ids(
     return torch.tensor([new], dtype=torch.long, device=device)
 
 
+class TextStream:
+    """Collects new token ids and hands `on_text` the text they add, a whole character at a time."""
+
+    def __init__(self, tokenizer, on_text: Callable[[str], None] | None = None) -> None:
+        self.tokenizer, self.on_text = tokenizer, on_text
+        self.ids: list[int] = []
+        self._printed = ""
+
+    def __call__(self, token_id: int) -> None:
+        """Record one new token and stream the text it completes (the generate_ids `stream` callback)."""
+        self.ids.append(token_id)
+        if self.on_text is None:
+            return
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):  # an unfinished UTF-8 character: wait for its next byte
+            return
+        piece, self._printed = text[len(self._printed):], text
+        if piece:
+            self.on_text(piece)
+
+
 def generate(
     model: nn.Module,
     tokenizer,
@@ -119,20 +140,7 @@ def generate(
     if stop_token_ids is None:
         eos = getattr(tokenizer, "eos_token_id", None)
         stop_token_ids = [] if eos is None else [eos]
-    stream_cb = None
-    if stream is not None:
-        emitted: list[int] = []
-        printed = [""]
-
-        def stream_cb(tok: int) -> None:
-            emitted.append(tok)
-            text = tokenizer.decode(emitted, skip_special_tokens=True)
-            if text.endswith("\ufffd"):  # an unfinished UTF-8 character: wait for its next byte
-                return
-            piece, printed[0] = text[len(printed[0]):], text
-            if piece:
-                stream(piece)
-
+    stream_cb = TextStream(tokenizer, stream) if stream is not None else None
     new = generate_ids(model, torch.tensor(ids, dtype=torch.long), max_new_tokens, temperature, top_p, top_k,
                        seed, use_cache, stop_token_ids, stream_cb)
     return tokenizer.decode(new[0].tolist(), skip_special_tokens=True)

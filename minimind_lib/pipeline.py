@@ -283,42 +283,19 @@ def _summary(df, cfg_dict: dict, wall: float, device: torch.device, profile: str
 
 # --------------------------------------------------------------------------------------------- planning a run
 
-# The notebook runs per profile and stage: the profile's sizes capped so that a notebook finishes in the time a
-# class can wait on a shared 2-core CPU (smoke: about a minute in CI; cpu: about ten minutes). None: no cap, the
-# profile's run as it is (gpu: MiniMind2-small at seq 512). A shim until profiles.py carries such fields.
-NOTEBOOK_RUNS: dict[str, dict[str, dict] | None] = {
-    "smoke": {"pretrain": dict(steps=24, accum=2, max_tokens=128, eval_every=6),
-              "sft": dict(steps=16, accum=2, max_tokens=128, eval_every=4)},
-    "cpu": {"pretrain": dict(steps=60, accum=2, max_tokens=768, eval_every=10),
-            "sft": dict(steps=40, accum=2, max_tokens=512, eval_every=10)},
-    "gpu": None,
-}
-
-
 def plan_run(profile: Any = None, stage: str = "pretrain") -> dict:
-    """Sizes of a notebook's run (steps, accum, max_tokens, eval_every): the profile's, capped by NOTEBOOK_RUNS.
-
-    The CLI uses the profile's sizes as they are (or what its flags say); only the notebooks are capped,
-    and `reason` says so in one sentence.
-    """
+    """Sizes of a stage's run (steps, accum, max_tokens, eval_every) as the profile gives them, and why."""
     from .profiles import get_profile
 
     if stage not in ("pretrain", "sft"):
         raise ValueError(f"stage={stage!r}; choose 'pretrain' or 'sft'")
-    prof = profile if hasattr(profile, "pretrain_steps") else get_profile(profile)
-    steps = prof.pretrain_steps if stage == "pretrain" else prof.sft_steps
-    plan = {"steps": steps, "accum": prof.accum_steps, "max_tokens": prof.max_tokens, "eval_every": prof.eval_every}
-    full = steps * prof.accum_steps * prof.max_tokens
-    caps = (NOTEBOOK_RUNS.get(prof.name) or {}).get(stage)
-    if not caps:
-        reason = f"profile {prof.name}: its own sizes, {steps} steps x {prof.accum_steps} x {prof.max_tokens} tokens"
-    else:
-        plan = {k: min(v, caps[k]) for k, v in plan.items()}
-        reason = (f"profile {prof.name} allows {steps} steps x {prof.accum_steps} x {prof.max_tokens} tokens = "
-                  f"{full:,}; the notebook runs {plan['steps']} x {plan['accum']} x {plan['max_tokens']} = "
-                  f"{plan['steps'] * plan['accum'] * plan['max_tokens']:,} to finish in a class's time on a CPU "
-                  f"(the CLI runs the profile's full size)")
-    plan["max_tokens"] = max(plan["max_tokens"], prof.seq_len)  # a full-length sample must fit one micro-batch
+    prof = profile if hasattr(profile, "pretrain") else get_profile(profile)
+    size = prof.pretrain if stage == "pretrain" else prof.sft
+    plan = {"steps": size.steps, "accum": size.accum, "max_tokens": max(size.max_tokens, prof.seq_len),
+            "eval_every": size.eval_every}  # a full-length sample must fit one micro-batch
+    reason = (f"profile {prof.name}: {plan['steps']} steps x {plan['accum']} micro-batches x {plan['max_tokens']} "
+              f"tokens = {plan['steps'] * plan['accum'] * plan['max_tokens']:,} padded tokens at most "
+              f"(the command line runs the same sizes)")
     return {**plan, "profile": prof.name, "stage": stage, "reason": reason}
 
 
@@ -344,7 +321,8 @@ def _run(stage: str, *, data, out, profile, config, max_tokens, accum, amp, step
     from .tokenizer import check_vocab, load_tokenizer
     from .train import TrainConfig, fit, resolve_amp
 
-    prof = profile if hasattr(profile, "pretrain_steps") else get_profile(profile)
+    prof = profile if hasattr(profile, "pretrain") else get_profile(profile)
+    size = prof.pretrain if stage == "pretrain" else prof.sft
     if prof.num_threads:
         torch.set_num_threads(prof.num_threads)
     device = torch.device(device) if device is not None else get_device()
@@ -381,12 +359,12 @@ def _run(stage: str, *, data, out, profile, config, max_tokens, accum, amp, step
     _check_out_dir(out, resume, overwrite)
 
     seq_len = int(seq_len or prof.seq_len)
-    max_tokens = int(max_tokens or prof.max_tokens)
-    accum = int(accum or prof.accum_steps)
-    n_steps = int(steps or (prof.pretrain_steps if stage == "pretrain" else prof.sft_steps))
+    max_tokens = int(max_tokens or max(size.max_tokens, seq_len))
+    accum = int(accum or size.accum)
+    n_steps = int(steps or size.steps)
     base_lr = float(lr or (prof.lr if stage == "pretrain" else prof.lr / 2))  # SFT: gentler, it starts trained
     max_samples = prof.max_samples if max_samples is None else (max_samples or None)
-    eval_every = int(eval_every or prof.eval_every)
+    eval_every = int(eval_every or size.eval_every)
     cfg = TrainConfig(lr=base_lr, max_steps=n_steps, accum_steps=accum, warmup_steps=max(1, n_steps // 10),
                       amp=amp, eval_every=eval_every, ckpt_every=int(ckpt_every or eval_every),
                       ckpt_dir=str(out), seed=seed, progress=progress)

@@ -14,6 +14,16 @@ import torch
 
 
 @dataclass(frozen=True)
+class RunSize:
+    """One training run of notebooks 07/08 and the CLI: `steps` optimizer steps of `accum` micro-batches."""
+
+    steps: int  # optimizer steps
+    accum: int  # micro-batches per optimizer step
+    max_tokens: int  # padded tokens (rows x longest row) per micro-batch
+    eval_every: int  # optimizer steps between validation passes
+
+
+@dataclass(frozen=True)
 class Profile:
     """The sizes of one way of running the course."""
 
@@ -24,8 +34,8 @@ class Profile:
     max_tokens: int  # padded tokens (rows x longest row) per micro-batch for token budgets
     accum_steps: int  # micro-batches per optimizer step in the accumulation demos
     train_steps: int  # optimizer steps of the short training demos (notebooks 04-06)
-    pretrain_steps: int  # optimizer steps of notebook 07
-    sft_steps: int  # optimizer steps of notebook 08
+    pretrain: RunSize  # the pretraining run of notebook 07 and `python -m minimind_lib pretrain`
+    sft: RunSize  # the SFT run of notebook 08 and `python -m minimind_lib sft`
     eval_every: int  # optimizer steps between validation passes
     lr: float  # peak learning rate
     max_samples: int | None  # cap on samples read from data/ (None: all of them)
@@ -40,19 +50,27 @@ PROFILES: dict[str, Profile] = {
     # CI on 2 CPU cores: every notebook in about a minute; proves the code runs, not that it learns well.
     "smoke": Profile(
         name="smoke", model="smoke", seq_len=128, batch_size=8, max_tokens=1024, accum_steps=4,
-        train_steps=12, pretrain_steps=30, sft_steps=20, eval_every=10, lr=3e-3,
+        train_steps=12, eval_every=10, lr=3e-3,
+        pretrain=RunSize(steps=24, accum=2, max_tokens=128, eval_every=6),
+        sft=RunSize(steps=16, accum=2, max_tokens=128, eval_every=4),
         max_samples=2000, num_threads=None,
     ),
     # A learner's laptop CPU: a few minutes per notebook, loss visibly falls.
     "cpu": Profile(
         name="cpu", model="cpu", seq_len=256, batch_size=16, max_tokens=4096, accum_steps=4,
-        train_steps=60, pretrain_steps=400, sft_steps=150, eval_every=50, lr=2e-3,
+        train_steps=60, eval_every=50, lr=2e-3,
+        # measured here: ~5 min for pretraining and ~3.5 min for SFT on 2 CPU cores
+        pretrain=RunSize(steps=60, accum=2, max_tokens=768, eval_every=10),
+        sft=RunSize(steps=40, accum=2, max_tokens=512, eval_every=10),
         max_samples=None, num_threads=None,
     ),
     # The real MiniMind2-small (25,829,888 parameters) at MiniMind's sequence length.
     "gpu": Profile(
         name="gpu", model="minimind2-small", seq_len=512, batch_size=32, max_tokens=16384, accum_steps=4,
-        train_steps=200, pretrain_steps=2000, sft_steps=600, eval_every=200, lr=1e-3,
+        train_steps=200, eval_every=200, lr=1e-3,
+        # not yet timed on a GPU: benchmarks/gpu_check.sh is the run that will calibrate these
+        pretrain=RunSize(steps=2000, accum=4, max_tokens=16384, eval_every=200),
+        sft=RunSize(steps=600, accum=4, max_tokens=16384, eval_every=200),
         max_samples=None, num_threads=None,
     ),
 }

@@ -174,16 +174,18 @@ def test_run_hooks_checkpoint_on_the_last_and_stop_steps():
     assert armed == [4, 4, 4, 4, 4, 1] and step == 5
 
 
-def test_plan_run_caps_notebook_runs_and_keeps_gpu_sizes():
+def test_plan_run_takes_the_profiles_stage_sizes():
     from minimind_lib.profiles import get_profile
 
     smoke = pipeline.plan_run("smoke", "pretrain")
     prof = get_profile("smoke")
-    assert smoke["steps"] <= prof.pretrain_steps and smoke["accum"] <= prof.accum_steps
-    assert smoke["max_tokens"] >= prof.seq_len and "notebook runs" in smoke["reason"]
+    assert (smoke["steps"], smoke["accum"], smoke["eval_every"]) == (prof.pretrain.steps, prof.pretrain.accum,
+                                                                    prof.pretrain.eval_every)
+    assert smoke["max_tokens"] == max(prof.pretrain.max_tokens, prof.seq_len)
+    assert "profile smoke" in smoke["reason"]
     gpu = pipeline.plan_run("gpu", "sft")
     g = get_profile("gpu")
-    assert (gpu["steps"], gpu["accum"], gpu["max_tokens"]) == (g.sft_steps, g.accum_steps, g.max_tokens)
+    assert (gpu["steps"], gpu["accum"], gpu["max_tokens"]) == (g.sft.steps, g.sft.accum, g.sft.max_tokens)
     assert set(pipeline.plan_kwargs(gpu)) == {"steps", "accum", "max_tokens", "eval_every"}
     with pytest.raises(ValueError, match="stage='dpo'"):
         pipeline.plan_run("smoke", "dpo")

@@ -32,12 +32,17 @@ def test_unknown_profile_names_the_choices():
 def test_profiles_are_ordered_by_size():
     smoke, cpu, gpu = PROFILES["smoke"], PROFILES["cpu"], PROFILES["gpu"]
     assert gpu.model == "minimind2-small" and gpu.seq_len == 512
-    for field in ("seq_len", "max_tokens", "pretrain_steps"):
+    for field in ("seq_len", "max_tokens"):
         assert getattr(smoke, field) <= getattr(cpu, field) <= getattr(gpu, field), field
+    for stage in ("pretrain", "sft"):
+        sizes = [getattr(p, stage) for p in (smoke, cpu, gpu)]
+        tokens = [s.steps * s.accum * s.max_tokens for s in sizes]
+        assert tokens == sorted(tokens), (stage, tokens)
     for p in PROFILES.values():
         # a token budget must hold at least one full-length row
         assert p.max_tokens >= p.seq_len
-        assert p.eval_every <= p.pretrain_steps
+        for size in (p.pretrain, p.sft):
+            assert 1 <= size.eval_every <= size.steps
 
 
 def test_overrides_do_not_touch_the_registry():
