@@ -20,7 +20,7 @@ kernel: venv
 	$(PY) -m ipykernel install --user --name minimind --display-name "Python (minimind)"
 
 lab: kernel
-	$(VENV)/bin/jupyter lab --notebook-dir=notebooks
+	$(VENV)/bin/jupyter lab --notebook-dir=notebooks $(if $(filter 0,$(shell id -u)),--allow-root)
 
 # CI and a quick local check: unit tests, then every notebook with nbval in the smoke profile.
 test: unit notebooks

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 EXIT_BAD_INPUT = 2
@@ -61,6 +62,10 @@ def _train_kwargs(args: argparse.Namespace) -> dict:
 
 
 def _print_summary(result) -> None:
+    # Under torchrun every rank returns; only rank 0 has the whole summary (the process group is gone by now,
+    # so ask torchrun's environment rather than torch.distributed).
+    if os.environ.get("RANK", "0") != "0":
+        return
     print(json.dumps({"out": str(result.out_dir), **result.summary}, indent=2, default=str))
 
 

@@ -12,6 +12,10 @@ then call `train.fit` (the one training loop) and write a *run directory*:
     OUT/samples.jsonl greedy sample generations at intervals during the run
     OUT/summary.json  steps, tokens, wall time, tokens/s, peak memory, final validation loss
 
+Under `torchrun --nproc_per_node=N -m minimind_lib pretrain|sft ...` (WORLD_SIZE > 1) the same run trains with
+DistributedDataParallel (distributed.fit_distributed: per step, the losses and gradients of one process on the same
+data, as long as the run stays within one epoch of the data); rank 0 tokenizes the cache first and alone writes OUT.
+
 Nothing in OUT is overwritten by a run that fails its checks: every input (data path, tokenizer, vocab,
 init checkpoint, resume checkpoint and its config) is validated before the first byte is written.
 """
@@ -307,10 +311,34 @@ def plan_kwargs(plan: dict) -> dict:
 # --------------------------------------------------------------------------------------------- the shared run
 
 
-def _run(stage: str, *, data, out, profile, config, max_tokens, accum, amp, steps, resume, overwrite, lr,
-         seq_len, val_data, val_batches, cache_dir, device, tokenizer_dir, init, stop_after, sample_every,
-         sample_prompts, ckpt_every, max_samples, progress, seed, measure_memory, eval_every, log: Callable[[str], None]) -> RunResult:
+def _run(stage: str, **kwargs: Any) -> RunResult:
+    """One run; under torchrun (WORLD_SIZE > 1) the same run with DistributedDataParallel, one rank per process.
+
+    Every rank builds the same model and validates the same inputs; each trains its share of every global
+    optimizer step (distributed.fit_distributed: the losses and gradients of one process on the same data), and
+    rank 0 alone writes the run directory. The process group is torn down at the end, also on error.
+    """
+    from . import distributed as D
+
+    _, world, _ = D.env_ranks()
+    if world <= 1:
+        return _run_impl(stage, dinfo=None, **kwargs)
+    device = kwargs.get("device")
+    backend = "gloo" if device is not None and torch.device(device).type != "cuda" else None
+    dinfo = D.setup(backend=backend, device=device)
+    try:
+        return _run_impl(stage, dinfo=dinfo, **kwargs)
+    finally:
+        D.teardown()
+
+
+def _run_impl(stage: str, *, dinfo, data, out, profile, config, max_tokens, accum, amp, steps, resume, overwrite, lr,
+              seq_len, val_data, val_batches, cache_dir, device, tokenizer_dir, init, stop_after, sample_every,
+              sample_prompts, ckpt_every, max_samples, progress, seed, measure_memory, eval_every,
+              log: Callable[[str], None]) -> RunResult:
     import pandas as pd
+
+    from . import distributed as D
 
     from .data import tokenizer_fingerprint
     from .device import get_device
@@ -325,7 +353,13 @@ def _run(stage: str, *, data, out, profile, config, max_tokens, accum, amp, step
     size = prof.pretrain if stage == "pretrain" else prof.sft
     if prof.num_threads:
         torch.set_num_threads(prof.num_threads)
-    device = torch.device(device) if device is not None else get_device()
+    if dinfo is not None:  # data parallel: this rank's device (cuda:LOCAL_RANK under NCCL, the CPU under gloo)
+        device = dinfo.device
+    else:
+        device = torch.device(device) if device is not None else get_device()
+    main = dinfo is None or dinfo.is_main  # the one process that logs and writes files
+    if not main:
+        log = lambda msg: None  # noqa: E731
     kind = "pretrain" if stage == "pretrain" else "sft"
     default_data = DATA_DIR / ("pretrain.jsonl" if kind == "pretrain" else "sft.jsonl")
     data = Path(data) if data is not None else default_data
@@ -380,10 +414,21 @@ def _run(stage: str, *, data, out, profile, config, max_tokens, accum, amp, step
         "device": str(device), "amp": {"mode": amp, "resolved": amp_settings.name, "reason": amp_settings.reason},
         "torch": torch.__version__,
     }
+    if dinfo is not None:
+        run_cfg["world_size"] = dinfo.world_size
     saved_state = _check_resume(out, run_cfg, cfg) if resume else None
+    if saved_state is not None:  # a DDP checkpoint counts global steps and holds the controller's counters
+        saved_ddp = isinstance(saved_state.get("controller"), dict) and "world_size" in saved_state["controller"]
+        if saved_ddp != (dinfo is not None):
+            raise RunError(f"cannot resume {out}: it was trained {'with' if saved_ddp else 'without'} torchrun "
+                           f"(data parallel), this run is {'with' if dinfo is not None else 'without'}; its data "
+                           f"position means something else (resuming with another number of ranks >= 2 works)")
 
     # Data: stream each jsonl once into a memmap cache (constant memory for MiniMind's 1.6 GB file).
     cache_dir = Path(cache_dir) if cache_dir is not None else out.parent / "cache"
+    if not main:  # data parallel: rank 0 tokenizes into the cache, the other ranks then open it
+        D.barrier()
+        progress = False
     ds, info = _memmap_dataset(data, tok, kind, seq_len, cache_dir, max_samples, progress)
     log(f"{stage}: {data.name}: {ds.stats.summary()} ({'cache reused' if info.reused else f'tokenized in {info.seconds:.1f} s'})")
     val_list = None
@@ -401,7 +446,16 @@ def _run(stage: str, *, data, out, profile, config, max_tokens, accum, amp, step
         ds = _LengthSubset(ds, train_idx)
         val_list = _val_batches(vsub, max_tokens, seq_len, tok.pad_token_id, val_batches)
         run_cfg["sft_val_holdout"] = n_val
-    loader, sampler = _loader(ds, max_tokens, seq_len, tok.pad_token_id, seed=seed)
+    if dinfo is not None and main:
+        D.barrier()  # the caches are complete: the other ranks may open them
+    if dinfo is None:
+        loader, sampler = _loader(ds, max_tokens, seq_len, tok.pad_token_id, seed=seed)
+    else:
+        if max_tokens < seq_len:
+            _loader(ds, max_tokens, seq_len, tok.pad_token_id, seed=seed)  # raises its RunError
+        # The same token-budget micro-batches as _loader (same seed), `accum` per global step, dealt to the ranks.
+        loader = D.distributed_step_source(ds, max_tokens, accum, max_len=seq_len, seed=seed, info=dinfo)
+        sampler = loader.step_sampler.base
     run_cfg["data_stats"] = {**ds.stats.to_dict(), "batches_per_epoch": len(sampler)} if hasattr(ds, "stats") else None
 
     torch.manual_seed(seed)  # the same seed, the same initial weights
@@ -410,18 +464,19 @@ def _run(stage: str, *, data, out, profile, config, max_tokens, accum, amp, step
         model.load_state_dict(init_model.state_dict())
         del init_model
 
-    # From here on the run directory is written.
-    out.mkdir(parents=True, exist_ok=True)
-    if not resume:
-        for name in RUN_FILES:  # --overwrite: a stale last.pt/metrics must not survive into the new run
-            if (out / name).exists():
-                (out / name).unlink()
-    _write_json(out / CONFIG_FILE, run_cfg)
-    tok_tmp = out / f".{TOKENIZER_DIR}.tmp-{os.getpid()}"
-    tok.save(tok_tmp)
-    if (out / TOKENIZER_DIR).exists():
-        shutil.rmtree(out / TOKENIZER_DIR)
-    os.replace(tok_tmp, out / TOKENIZER_DIR)
+    # From here on the run directory is written (by rank 0 alone under torchrun).
+    if main:
+        out.mkdir(parents=True, exist_ok=True)
+        if not resume:
+            for name in RUN_FILES:  # --overwrite: a stale last.pt/metrics must not survive into the new run
+                if (out / name).exists():
+                    (out / name).unlink()
+        _write_json(out / CONFIG_FILE, run_cfg)
+        tok_tmp = out / f".{TOKENIZER_DIR}.tmp-{os.getpid()}"
+        tok.save(tok_tmp)
+        if (out / TOKENIZER_DIR).exists():
+            shutil.rmtree(out / TOKENIZER_DIR)
+        os.replace(tok_tmp, out / TOKENIZER_DIR)
 
     prior = pd.DataFrame()
     start_step = 0
@@ -444,7 +499,8 @@ def _run(stage: str, *, data, out, profile, config, max_tokens, accum, amp, step
         return df
 
     def on_ckpt(rows: list[dict]) -> None:  # metrics.csv always matches the last checkpoint
-        frame(rows).to_csv(out / METRICS_FILE, index=False)
+        if main:
+            frame(rows).to_csv(out / METRICS_FILE, index=False)
 
     prompts = list(sample_prompts if sample_prompts is not None else DEFAULT_SAMPLE_PROMPTS)
 
@@ -462,18 +518,19 @@ def _run(stage: str, *, data, out, profile, config, max_tokens, accum, amp, step
     if sample_every is None:  # a handful of sample points: generating token by token is slow on a CPU
         sample_every = max(eval_every, -(-n_steps // 4))
     hooks = _RunHooks(cfg, start_step, stop_after, int(sample_every),
-                      sample_fn if prompts else None, on_ckpt)
+                      sample_fn if prompts and main else None, on_ckpt)
     log(f"{stage}: {n_steps} steps x {accum} micro-batches of <= {max_tokens} tokens (seq_len {seq_len}), "
-        f"lr {base_lr:g}, {amp_settings.reason}, device {device}")
+        f"lr {base_lr:g}, {amp_settings.reason}, device {device}"
+        + (f", {dinfo.world_size} ranks ({dinfo.backend})" if dinfo is not None else ""))
     meter = None
-    if measure_memory and device.type == "cpu":
+    if measure_memory and device.type == "cpu" and dinfo is None:
         from .memory import MemoryMeter
 
         # On CPU live tensors are counted by a dispatch mode, which slows every op: measure every k-th step only
         # (with token budgets the steps are alike). CUDA's allocator counts for free: fit measures every step.
         meter = _EveryNthMeter(MemoryMeter(device), every=max(1, n_steps // 25))
     t0 = time.perf_counter()
-    if not resume and val_list:
+    if not resume and val_list and main:
         # The validation loss before any training: the baseline every later value is compared with
         # (about ln(vocab) = ln 6400 = 8.76 for a fresh model, whose predictions are nearly uniform).
         from .train import evaluate
@@ -483,8 +540,15 @@ def _run(stage: str, *, data, out, profile, config, max_tokens, accum, amp, step
         prior = pd.DataFrame([{"step": -1, "loss": float("nan"), "lr": 0.0, "tokens": 0, "wall_time": 0.0,
                                "val_loss": ev["loss"], "val_ppl": ev["ppl"], "event": "eval_before_training"}])
         log(f"{stage}: validation loss before training {ev['loss']:.3f} (perplexity {ev['ppl']:.0f})")
-    df = fit(model, loader, cfg, device=device, val_batches=val_list, callbacks=[hooks], meter=meter,
-             resume_from=out / STATE_FILE if resume else None)
+    if dinfo is None:
+        df = fit(model, loader, cfg, device=device, val_batches=val_list, callbacks=[hooks], meter=meter,
+                 resume_from=out / STATE_FILE if resume else None)
+    else:
+        from .data import make_collator
+
+        df = D.fit_distributed(model, loader, cfg, info=dinfo, val_batches=val_list,
+                               collate_fn=make_collator("longest", pad_id=tok.pad_token_id), pad_id=tok.pad_token_id,
+                               callbacks=[hooks], resume_from=out / STATE_FILE if resume else None)
     wall = time.perf_counter() - t0
     cfg.ckpt_every = hooks.every
     attrs = dict(df.attrs)
@@ -493,15 +557,19 @@ def _run(stage: str, *, data, out, profile, config, max_tokens, accum, amp, step
     if len(full):
         full["tokens_seen"] = full["tokens"].cumsum()
 
-    save_checkpoint(model, out / MODEL_FILE)  # bare state dict, MiniMind's key names
-    full.to_csv(out / METRICS_FILE, index=False)
+    if main:
+        save_checkpoint(model, out / MODEL_FILE)  # bare state dict, MiniMind's key names
+        full.to_csv(out / METRICS_FILE, index=False)
     summary = _summary(full, run_cfg, wall, device, prof.name)
+    if dinfo is not None:
+        summary["world_size"] = dinfo.world_size
     if resume and wall > 0:  # this invocation's tokens over this invocation's time
         summary["tokens_per_s_wall"] = round((summary["tokens"] - prior_tokens) / wall, 1)
     summary.update(resumed_from_step=start_step if resume else None,
                    stopped_early=bool(stop_after and len(full) and int(full["step"].max()) + 1 < n_steps),
                    prior_tokens=prior_tokens)
-    _write_json(out / SUMMARY_FILE, summary)
+    if main:
+        _write_json(out / SUMMARY_FILE, summary)
     model.eval()
     return RunResult(out_dir=out, model=model, tokenizer=tok, metrics=full, config=run_cfg, summary=summary,
                      samples=samples)
