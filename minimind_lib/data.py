@@ -36,6 +36,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from .fileio import atomic_write_bytes
 from .tokenizer import check_vocab  # refuses a tokenizer/model vocab mismatch (owned by tokenizer.py)
 
 IGNORE_INDEX = -100  # the label of a position whose next token is not trained (PyTorch CE ignore_index)
@@ -653,15 +654,6 @@ def _tokenizers_parallelism_off():
             os.environ["TOKENIZERS_PARALLELISM"] = old
 
 
-def _atomic_write_bytes(path: str, data: bytes) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def _source_info(path: Path) -> dict:
     st = path.stat()
     return {"path": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
@@ -816,7 +808,7 @@ def tokenize_to_memmap(jsonl_path: str | os.PathLike, tokenizer, out_prefix: str
         seconds = time.perf_counter() - t0
         meta = {**key, **counts, "skipped_examples": examples, "seconds": round(seconds, 3), "num_workers": num_workers,
                 "chunk_size": chunk_size, "dtype": "uint16", "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-        _atomic_write_bytes(prefix + ".json", json.dumps(meta, indent=1, ensure_ascii=False).encode())
+        atomic_write_bytes(prefix + ".json", json.dumps(meta, indent=1, ensure_ascii=False).encode())
     finally:
         bar.close()
         if pool is not None:

@@ -10,8 +10,6 @@ and produces the same logits as MiniMind's own code.
 from __future__ import annotations
 
 import math
-import os
-import tempfile
 import warnings
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -19,6 +17,8 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from .fileio import atomic_open
 
 # ----------------------------------------------------------------------------------------------------------------
 # Configuration
@@ -404,18 +404,8 @@ def save_checkpoint(state_dict_or_model, path) -> Path:
     """Write a state dict (or a model's) atomically: temp file in the same folder, fsync, os.replace."""
     state = state_dict_or_model.state_dict() if isinstance(state_dict_or_model, nn.Module) else state_dict_or_model
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)  # atomic: a reader sees the old file or the new one, never half of one
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    with atomic_open(path, "wb") as f:
+        torch.save(state, f)
     return path
 
 

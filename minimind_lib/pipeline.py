@@ -34,6 +34,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from .fileio import atomic_write_text
+
 RUN_FORMAT = "minimind-run"
 RUN_VERSION = 1
 CONFIG_FILE = "config.json"
@@ -85,18 +87,8 @@ def run_dir_for(profile_name: str, stage: str) -> Path:
     return default_runs_dir() / profile_name / stage
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
-    """Write text atomically (temp file in the same folder, fsync, os.replace)."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def _write_json(path: Path, obj: Any) -> None:
-    _atomic_write_text(path, json.dumps(obj, indent=2, ensure_ascii=False, default=str) + "\n")
+    atomic_write_text(path, json.dumps(obj, indent=2, ensure_ascii=False, default=str) + "\n")
 
 
 def read_run_config(run_dir: str | Path) -> dict:
@@ -513,7 +505,7 @@ def _run_impl(stage: str, *, dinfo, data, out, profile, config, max_tokens, accu
             else:
                 text = generate(model, tok, p, max_new_tokens=24, temperature=0.0)
             samples.append({"step": done, "prompt": p, "text": text})
-        _atomic_write_text(out / SAMPLES_FILE, "".join(json.dumps(s, ensure_ascii=False) + "\n" for s in samples))
+        atomic_write_text(out / SAMPLES_FILE, "".join(json.dumps(s, ensure_ascii=False) + "\n" for s in samples))
 
     if sample_every is None:  # a handful of sample points: generating token by token is slow on a CPU
         sample_every = max(eval_every, -(-n_steps // 4))

@@ -25,9 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import numbers
-import os
 import sys
-import tempfile
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -35,6 +33,7 @@ from pathlib import Path
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from .fileio import atomic_write_text
 from .paths import ASSETS_DIR
 
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
@@ -89,21 +88,6 @@ def _token_name(value, key: str, path: Path) -> str:
     if isinstance(value, str):
         return value
     raise ValueError(f"{path}: key {key!r} must be a token string, got {value!r}")
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    """Write text to path via a temp file in the same folder and os.replace, so readers never see half a file."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600; a shipped asset must be readable by everyone
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 class Tokenizer:
@@ -265,9 +249,9 @@ class Tokenizer:
         """Write tokenizer.json and tokenizer_config.json (MiniMind's layout) into directory; returns it."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        _atomic_write_text(directory / TOKENIZER_FILE, self.hf.to_str(pretty=True))
+        atomic_write_text(directory / TOKENIZER_FILE, self.hf.to_str(pretty=True))
         config = dict(self.config, chat_template=self.chat_template)
-        _atomic_write_text(directory / CONFIG_FILE, json.dumps(config, ensure_ascii=False, indent=4) + "\n")
+        atomic_write_text(directory / CONFIG_FILE, json.dumps(config, ensure_ascii=False, indent=4) + "\n")
         return directory
 
     @classmethod
