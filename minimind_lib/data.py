@@ -43,6 +43,7 @@ IGNORE_INDEX = -100  # the label of a position whose next token is not trained (
 ROLES = ("system", "user", "assistant")
 KINDS = ("pretrain", "sft")
 ON_ERROR = ("raise", "skip")
+LONG_DOCS = ("truncate", "chunk")  # what a pretrain dataset does with a document longer than seq_len
 MEMMAP_FORMAT_VERSION = 1
 MAX_UINT16_VOCAB = 65535  # uint16 stores ids 0..65535, so a vocab of at most 65536 entries; we keep one margin id
 _MAX_EXAMPLES = 5  # how many skipped-line messages to keep for reports
@@ -281,20 +282,26 @@ def make_sample(ids: np.ndarray, mask: np.ndarray | None, seq_len: int) -> dict[
 class DataStats:
     """What a dataset read, skipped and truncated (nothing is dropped without being counted here)."""
 
-    n_samples: int = 0  # samples in the dataset
+    n_samples: int = 0  # samples (rows) the dataset serves
     n_skipped: int = 0  # input lines skipped with on_error="skip"
     n_blank: int = 0  # blank input lines (hold no sample)
-    n_truncated: int = 0  # samples longer than seq_len, cut to seq_len
+    n_truncated: int = 0  # documents longer than seq_len, cut to seq_len (long_docs="truncate")
     truncated_tokens: int = 0  # tokens cut off by truncation
-    n_tokens: int = 0  # tokens served, after truncation
+    n_tokens: int = 0  # tokens served, after truncation (chunk overlaps counted in each row)
+    n_documents: int = 0  # documents (input records) behind the samples
+    n_chunked: int = 0  # documents longer than seq_len split into several rows (long_docs="chunk")
     n_trained_tokens: int | None = None  # SFT: tokens with a label (after truncation)
     n_no_target: int = 0  # SFT: samples whose assistant tokens were all cut off by truncation
     skipped_examples: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
         """One line for logs and notebooks."""
-        s = (f"{self.n_samples} samples, {self.n_tokens} tokens; truncated {self.n_truncated} samples "
-             f"({self.truncated_tokens} tokens cut); skipped {self.n_skipped} lines")
+        if self.n_chunked:
+            s = (f"{self.n_samples} samples from {self.n_documents} documents ({self.n_chunked} long ones split "
+                 f"into rows, no token cut), {self.n_tokens} tokens; skipped {self.n_skipped} lines")
+        else:
+            s = (f"{self.n_samples} samples, {self.n_tokens} tokens; truncated {self.n_truncated} samples "
+                 f"({self.truncated_tokens} tokens cut); skipped {self.n_skipped} lines")
         if self.n_trained_tokens is not None:
             s += f"; {self.n_trained_tokens} trained tokens; {self.n_no_target} samples left with nothing to train"
         return s
@@ -305,39 +312,82 @@ class DataStats:
 
 
 class _TokenDataset(Dataset):
-    """Shared logic: raw (untruncated) samples come from a backend; truncation, labels and stats happen here."""
+    """Shared logic: raw (untruncated) documents come from a backend; cutting into rows, labels and stats happen here.
+
+    A document longer than seq_len is either truncated (``long_docs="truncate"``, MiniMind's way: the rest is
+    lost, and counted) or chunked (``"chunk"``, pretraining only): split into rows of seq_len tokens that
+    overlap by one token, so every next-token target of the document is trained exactly once.
+    """
 
     kind: str = "pretrain"
 
-    def __init__(self, seq_len: int):
+    def __init__(self, seq_len: int, long_docs: str = "truncate"):
         if int(seq_len) < 2:
             raise ValueError(f"seq_len={seq_len} is too short: a sample needs at least 2 tokens (one prediction)")
         self.seq_len = int(seq_len)
         self._lengths: np.ndarray | None = None
         self._stats: DataStats | None = None
+        self._rows: np.ndarray | None = None  # chunk mode: (n_rows, 2) of (document, start token)
+        self._set_long_docs(long_docs)
 
-    # backends implement these two
+    def _set_long_docs(self, long_docs: str) -> None:
+        _check_choice("long_docs", long_docs, LONG_DOCS)
+        if long_docs == "chunk" and self.kind != "pretrain":
+            raise ValueError(f"long_docs='chunk' is for pretraining text; a {self.kind} sample is one conversation "
+                             f"and is truncated, never split")
+        self.long_docs = long_docs
+
+    # backends implement these three
+    def n_documents(self) -> int:
+        """How many documents (records) the backend holds."""
+        raise NotImplementedError
+
     def raw(self, index: int) -> tuple[np.ndarray, np.ndarray | None]:
-        """The untruncated token ids of sample `index` and its trained-token mask (None: all trained)."""
+        """The untruncated token ids of document `index` and its trained-token mask (None: all trained)."""
         raise NotImplementedError
 
     def raw_lengths(self) -> np.ndarray:
-        """Untruncated length of every sample (int64)."""
+        """Untruncated length of every document (int64)."""
         raise NotImplementedError
+
+    def _row_index(self) -> np.ndarray:
+        """Chunk mode: (document, start) of every row; rows start every seq_len - 1 tokens (one token overlap)."""
+        if self._rows is None:
+            raw = self.raw_lengths()
+            stride = self.seq_len - 1
+            # a row of n tokens trains n - 1 targets, so a document of L tokens needs ceil((L - 1) / stride) rows
+            n_rows = np.maximum(1, -(-(raw - 1) // stride)).astype(np.int64)
+            docs = np.repeat(np.arange(len(raw), dtype=np.int64), n_rows)
+            first_row = np.cumsum(n_rows) - n_rows
+            k = np.arange(int(n_rows.sum()), dtype=np.int64) - np.repeat(first_row, n_rows)
+            self._rows = np.stack([docs, k * stride], axis=1)
+        return self._rows
+
+    def __len__(self) -> int:
+        return len(self._row_index()) if self.long_docs == "chunk" else self.n_documents()
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         if index < 0:
             index += len(self)
         if not 0 <= index < len(self):
             raise IndexError(f"index {index} out of range for a dataset of {len(self)} samples")
+        if self.long_docs == "chunk":
+            doc, start = (int(v) for v in self._row_index()[index])
+            ids, _ = self.raw(doc)
+            return make_sample(ids[start:start + self.seq_len], None, self.seq_len)
         ids, mask = self.raw(index)
         return make_sample(ids, mask, self.seq_len)
 
     @property
     def lengths(self) -> np.ndarray:
-        """Per-sample token lengths after truncation to seq_len (what token-budget batching needs)."""
+        """Per-sample token lengths after truncation or chunking (what token-budget batching needs)."""
         if self._lengths is None:
-            self._lengths = np.minimum(self.raw_lengths(), self.seq_len).astype(np.int64)
+            raw = self.raw_lengths()
+            if self.long_docs == "chunk":
+                rows = self._row_index()
+                self._lengths = np.minimum(raw[rows[:, 0]] - rows[:, 1], self.seq_len).astype(np.int64)
+            else:
+                self._lengths = np.minimum(raw, self.seq_len).astype(np.int64)
         return self._lengths
 
     def _extra_stats(self, stats: DataStats) -> None:
@@ -345,13 +395,16 @@ class _TokenDataset(Dataset):
 
     @property
     def stats(self) -> DataStats:
-        """Counts of samples, skipped lines, truncated samples and tokens."""
+        """Counts of documents, samples, skipped lines, truncated or chunked documents and tokens."""
         if self._stats is None:
             raw = self.raw_lengths()
             over = raw > self.seq_len
+            chunk = self.long_docs == "chunk"
             self._stats = DataStats(
-                n_samples=int(len(raw)), n_truncated=int(over.sum()),
-                truncated_tokens=int((raw[over] - self.seq_len).sum()), n_tokens=int(self.lengths.sum()),
+                n_samples=len(self), n_documents=int(len(raw)), n_tokens=int(self.lengths.sum()),
+                n_truncated=0 if chunk else int(over.sum()),
+                truncated_tokens=0 if chunk else int((raw[over] - self.seq_len).sum()),
+                n_chunked=int(over.sum()) if chunk else 0,
             )
             self._extra_stats(self._stats)
         return self._stats
@@ -359,7 +412,7 @@ class _TokenDataset(Dataset):
     def _sft_counts(self, stats: DataStats) -> None:
         # trained tokens after truncation (labels that survive the cut); a pass over the masks, done once
         trained, no_target = 0, 0
-        for i in range(len(self)):
+        for i in range(self.n_documents()):
             _, mask = self.raw(i)
             k = int(np.count_nonzero(mask[:self.seq_len][1:]))  # position 0 is never a target after the shift
             trained += k
@@ -370,7 +423,7 @@ class _TokenDataset(Dataset):
 class MemmapDataset(_TokenDataset):
     """Samples read from `tokenize_to_memmap` files with np.memmap: constant memory, opened lazily per process."""
 
-    def __init__(self, prefix: str | os.PathLike, seq_len: int):
+    def __init__(self, prefix: str | os.PathLike, seq_len: int, long_docs: str = "truncate"):
         super().__init__(seq_len)
         self.prefix = str(prefix)
         meta_path = Path(self.prefix + ".json")
@@ -380,6 +433,7 @@ class MemmapDataset(_TokenDataset):
         if self.meta.get("format") != "minimind-memmap" or self.meta.get("version") != MEMMAP_FORMAT_VERSION:
             raise ValueError(f"{meta_path}: not a minimind memmap of version {MEMMAP_FORMAT_VERSION}; rebuild it")
         self.kind = self.meta["kind"]
+        self._set_long_docs(long_docs)
         # the index is small (8 bytes per sample); read it once, the tokens stay on disk
         self.offsets = np.load(self.prefix + ".idx.npy")
         if len(self.offsets) != self.meta["n_samples"] + 1:
@@ -400,7 +454,7 @@ class MemmapDataset(_TokenDataset):
         state["_tokens"] = state["_mask"] = state["_pid"] = None  # never pickle a mapping; reopen in the worker
         return state
 
-    def __len__(self) -> int:
+    def n_documents(self) -> int:
         return len(self.offsets) - 1
 
     def raw(self, index: int) -> tuple[np.ndarray, np.ndarray | None]:
@@ -429,8 +483,8 @@ class _JsonlBacked(_TokenDataset):
     """Common constructor for PretrainDataset and SFTDataset: memmap, eager (in memory) or lazy backends."""
 
     def __init__(self, source, tokenizer, seq_len: int, *, on_error: str = "raise", max_samples: int | None = None,
-                 vocab_size: int | None = None, lazy: bool = False):
-        super().__init__(seq_len)
+                 vocab_size: int | None = None, lazy: bool = False, long_docs: str = "truncate"):
+        super().__init__(seq_len, long_docs)
         self.tokenizer, self.lazy = tokenizer, lazy
         if vocab_size is not None:
             if tokenizer is None:
@@ -469,8 +523,8 @@ class _JsonlBacked(_TokenDataset):
     def _encode_one(self, payload) -> tuple[np.ndarray, np.ndarray | None]:
         raise NotImplementedError
 
-    def __len__(self) -> int:
-        return len(self.memmap) if self.memmap is not None else len(self.records)
+    def n_documents(self) -> int:
+        return self.memmap.n_documents() if self.memmap is not None else len(self.records)
 
     def raw(self, index: int) -> tuple[np.ndarray, np.ndarray | None]:
         if self.memmap is not None:
@@ -503,8 +557,10 @@ class PretrainDataset(_JsonlBacked):
     """MiniMind pretrain samples: input_ids = ([bos] + tokens + [eos])[:seq_len], labels = input_ids.
 
     `source` is a jsonl path (tokenized once in memory; lazy=True tokenizes in __getitem__ like MiniMind),
-    a memmap prefix or a MemmapDataset (for files larger than RAM). Truncation simply cuts at seq_len
-    (no fake <|im_end|> is appended to a cut document); it is counted in `stats`."""
+    a memmap prefix or a MemmapDataset (for files larger than RAM). A longer document is truncated
+    (``long_docs="truncate"``, MiniMind's way: a plain cut, no fake <|im_end|>, counted in `stats`) or
+    chunked (``"chunk"``): rows of seq_len tokens overlapping by one, so no target is lost; only the first
+    row starts with <|im_start|> and only the last ends with <|im_end|>."""
 
     kind = "pretrain"
 

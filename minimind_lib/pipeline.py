@@ -51,7 +51,8 @@ RUN_FILES = (CONFIG_FILE, MODEL_FILE, METRICS_FILE, STATE_FILE, SAMPLES_FILE, SU
 DEFAULT_SAMPLE_PROMPTS = ("ROMEO.\n", "床前明月光，")
 # Settings that fix the order and shape of the data: resuming with a different value would silently train on
 # different batches than the saved position refers to, so it is an error.
-RESUME_KEYS = ("stage", "model", "data", "val_data", "seq_len", "max_tokens", "val_batches", "max_samples", "batching", "init")
+RESUME_KEYS = ("stage", "model", "data", "val_data", "seq_len", "max_tokens", "val_batches", "max_samples", "batching",
+               "long_docs", "init")
 SMALL_FILE_BYTES = 32 * 2**20  # below this, tokenize in this process (worker start-up costs more than it saves)
 
 
@@ -157,8 +158,10 @@ def _memmap_dataset(path: Path, tok, kind: str, seq_len: int, cache_dir: Path, m
     workers = 0 if path.stat().st_size < SMALL_FILE_BYTES else None
     info = tokenize_to_memmap(path, tok, prefix, kind=kind, num_workers=workers, max_samples=max_samples,
                               progress=progress)
-    cls = PretrainDataset if kind == "pretrain" else SFTDataset
-    ds = cls(str(prefix), tok, seq_len, vocab_size=tok.vocab_size)
+    if kind == "pretrain":  # split long documents into rows instead of cutting them: no text is thrown away
+        ds = PretrainDataset(str(prefix), tok, seq_len, vocab_size=tok.vocab_size, long_docs="chunk")
+    else:  # a conversation is one sample: truncated (counted), never split
+        ds = SFTDataset(str(prefix), tok, seq_len, vocab_size=tok.vocab_size)
     if len(ds) == 0:
         raise RunError(f"{path}: no samples to train on")
     return ds, info
@@ -402,7 +405,7 @@ def _run_impl(stage: str, *, dinfo, data, out, profile, config, max_tokens, accu
         "tokenizer": {"fingerprint": fp, "vocab_size": int(tok.vocab_size)},
         "data": str(data.resolve()), "val_data": str(Path(val_data).resolve()) if val_data else None,
         "seq_len": seq_len, "max_tokens": max_tokens, "val_batches": int(val_batches), "max_samples": max_samples,
-        "batching": "token_budget", "init": str(Path(init).resolve()) if init else None,
+        "batching": "token_budget", "long_docs": "chunk" if stage == "pretrain" else "truncate", "init": str(Path(init).resolve()) if init else None,
         "device": str(device), "amp": {"mode": amp, "resolved": amp_settings.name, "reason": amp_settings.reason},
         "torch": torch.__version__,
     }

@@ -68,9 +68,12 @@ PROFILES: dict[str, Profile] = {
     "gpu": Profile(
         name="gpu", model="minimind2-small", seq_len=512, batch_size=32, max_tokens=16384, accum_steps=4,
         train_steps=200, eval_every=200, lr=1e-3,
-        # not yet timed on a GPU: benchmarks/gpu_check.sh is the run that will calibrate these
-        pretrain=RunSize(steps=2000, accum=4, max_tokens=16384, eval_every=200),
-        sft=RunSize(steps=600, accum=4, max_tokens=16384, eval_every=200),
+        # Sized by the bundled data, not by a guess of GPU speed: data/pretrain.jsonl is 2.30M tokens at seq 512
+        # (long documents chunked), so 300 x 2 x 16384 = 9.8M padded tokens is ~4 epochs; data/sft.jsonl is
+        # 0.66M tokens, so 100 x 2 x 8192 is ~2.5 epochs. Not yet timed on a GPU (benchmarks/gpu_check.sh is
+        # that run); for real training bring MiniMind's 1.6 GB pretrain file and raise `steps`.
+        pretrain=RunSize(steps=300, accum=2, max_tokens=16384, eval_every=25),
+        sft=RunSize(steps=100, accum=2, max_tokens=8192, eval_every=20),
         max_samples=None, num_threads=None,
     ),
 }

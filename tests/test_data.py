@@ -154,6 +154,61 @@ def test_pretrain_truncation_is_counted(pre_path, tok):
     assert ds[0]["input_ids"].tolist() == full[0]["input_ids"][:16].tolist()
 
 
+def _rows_of(ds):
+    """Rebuild each document from its chunked rows (dropping each continuation row's one-token overlap)."""
+    docs: dict[int, list[int]] = {}
+    for i, (doc, start) in enumerate(ds._row_index()):
+        ids = ds[i]["input_ids"].tolist()
+        assert len(ids) == ds.lengths[i] <= ds.seq_len
+        docs.setdefault(int(doc), []).extend(ids if start == 0 else ids[1:])
+    return docs
+
+
+@pytest.mark.parametrize("seq_len", [2, 3, 7, 16])
+def test_pretrain_chunking_trains_every_target_once(pre_path, tok, seq_len):
+    full = D.PretrainDataset(pre_path, tok, seq_len=10_000)
+    ds = D.PretrainDataset(pre_path, tok, seq_len=seq_len, long_docs="chunk")
+    raw = full.lengths
+    rebuilt = _rows_of(ds)
+    assert [rebuilt[d] for d in range(len(full))] == [full[d]["input_ids"].tolist() for d in range(len(full))]
+    # every next-token target of every document is in exactly one row: sum(row - 1) == sum(doc - 1)
+    assert int((ds.lengths - 1).sum()) == int((raw - 1).sum())
+    assert int((ds.lengths < 2).sum()) == 0  # no row without a target
+    st = ds.stats
+    assert st.n_truncated == st.truncated_tokens == 0
+    assert st.n_documents == len(full) and st.n_samples == len(ds) > len(full)
+    assert st.n_chunked == int((raw > seq_len).sum()) and st.n_tokens == int(ds.lengths.sum())
+    assert "split into rows" in st.summary()
+
+
+def test_pretrain_chunk_row_boundaries(tmp_path, tok):
+    seq = 8
+    doc_ids = [tok.bos_token_id, *tok.encode(CORPUS[0]), tok.eos_token_id]
+    n = len(doc_ids)
+    ds = D.PretrainDataset(write_jsonl(tmp_path / "one.jsonl", [{"text": CORPUS[0]}]), tok, seq, long_docs="chunk")
+    # rows start every seq - 1 tokens; the last row may be as short as 2 tokens, never 1
+    starts = list(range(0, n - 1, seq - 1))
+    assert ds._row_index()[:, 1].tolist() == starts
+    assert [ds[i]["input_ids"].tolist() for i in range(len(ds))] == [doc_ids[a:a + seq] for a in starts]
+    assert ds[0]["input_ids"][0] == tok.bos_token_id and ds[len(ds) - 1]["input_ids"][-1] == tok.eos_token_id
+    assert torch.equal(ds[1]["labels"], ds[1]["input_ids"])
+
+
+def test_chunking_without_long_documents_changes_nothing(pre_path, tok):
+    trunc = D.PretrainDataset(pre_path, tok, seq_len=10_000)
+    chunk = D.PretrainDataset(pre_path, tok, seq_len=10_000, long_docs="chunk")
+    assert len(trunc) == len(chunk) and np.array_equal(trunc.lengths, chunk.lengths)
+    assert all(torch.equal(trunc[i]["input_ids"], chunk[i]["input_ids"]) for i in range(len(trunc)))
+    assert chunk.stats.n_chunked == 0
+
+
+def test_chunking_refused_for_sft_and_unknown_modes(pre_path, sft_path, tok):
+    with pytest.raises(ValueError, match="long_docs='chunk' is for pretraining text"):
+        D.SFTDataset(sft_path, tok, 16, long_docs="chunk")
+    with pytest.raises(ValueError, match="long_docs"):
+        D.PretrainDataset(pre_path, tok, 16, long_docs="split")
+
+
 def test_lazy_matches_eager(pre_path, sft_path, tok):
     for cls, path in ((D.PretrainDataset, pre_path), (D.SFTDataset, sft_path)):
         eager, lazy = cls(path, tok, 40), cls(path, tok, 40, lazy=True)
@@ -248,6 +303,18 @@ def test_memmap_pretrain_matches_in_memory(tmp_path, pre_path, tok, num_workers)
     meta = json.loads(open(info.prefix + ".json").read())
     assert meta["n_tokens"] * 2 == os.path.getsize(info.prefix + ".bin")
     assert meta["tokenizer"]["vocab_size"] == tok.vocab_size and meta["source"]["size"] == os.path.getsize(pre_path)
+
+
+def test_memmap_chunking_matches_in_memory(tmp_path, pre_path, sft_path, tok):
+    info = D.tokenize_to_memmap(pre_path, tok, tmp_path / "pre", num_workers=0, progress=False)
+    mem = D.PretrainDataset(pre_path, tok, 12, long_docs="chunk")
+    for mm in (D.PretrainDataset(info.prefix, tok, 12, long_docs="chunk"), D.MemmapDataset(info.prefix, 12, "chunk")):
+        assert len(mm) == len(mem) and np.array_equal(mm.lengths, mem.lengths)
+        assert all(torch.equal(mem[i]["input_ids"], mm[i]["input_ids"]) for i in range(len(mem)))
+        assert mm.stats.n_chunked == mem.stats.n_chunked > 0
+    sft_info = D.tokenize_to_memmap(sft_path, tok, tmp_path / "sft", kind="sft", num_workers=0, progress=False)
+    with pytest.raises(ValueError, match="is for pretraining text"):
+        D.MemmapDataset(sft_info.prefix, 12, "chunk")
 
 
 def test_memmap_sft_matches_in_memory(tmp_path, sft_path, tok):

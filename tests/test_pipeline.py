@@ -48,6 +48,16 @@ def test_pretrain_result_and_metrics(pre):
     assert json.loads((pre.out_dir / "summary.json").read_text())["tokens"] == pre.summary["tokens"]
 
 
+def test_pretraining_chunks_long_documents_and_sft_truncates(pre, sft_run):
+    # seq_len 32 over data/pretrain.jsonl: many documents are longer; pretraining splits them, cuts nothing
+    stats = json.loads((pre.out_dir / "config.json").read_text())
+    assert stats["long_docs"] == "chunk"
+    assert stats["data_stats"]["n_chunked"] > 0 and stats["data_stats"]["n_truncated"] == 0
+    assert stats["data_stats"]["n_samples"] > stats["data_stats"]["n_documents"] == 48
+    sft_cfg = json.loads((sft_run.out_dir / "config.json").read_text())
+    assert sft_cfg["long_docs"] == "truncate" and sft_cfg["data_stats"]["n_chunked"] == 0
+
+
 def test_sample_generations_at_intervals(pre):
     assert [s["step"] for s in pre.samples] == [2]
     assert pre.samples[0]["prompt"] == "ROMEO.\n" and isinstance(pre.samples[0]["text"], str)
