@@ -485,7 +485,9 @@ def collate_packed(rows: list[dict], block_mask: bool = True) -> dict[str, torch
 # Memory-adaptive micro-batches with OOM recovery
 # --------------------------------------------------------------------------------------------
 
-_OOM_PHRASES = ("out of memory", "can't allocate memory", "cannot allocate memory")
+# cuBLAS and cuDNN report a full GPU as a failed workspace allocation, not as torch.OutOfMemoryError
+_OOM_PHRASES = ("out of memory", "can't allocate memory", "cannot allocate memory", "cublas_status_alloc_failed",
+                "cudnn_status_alloc_failed")
 
 
 def is_oom_error(err: BaseException) -> bool:

@@ -46,7 +46,7 @@ def set_rng_state(state: dict) -> None:
     """Restore the RNG states saved by get_rng_state."""
     torch.set_rng_state(state["torch_cpu"].cpu())
     n = state["numpy"]
-    np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
+    np.random.set_state((n["name"], n["keys"].cpu().numpy().astype(np.uint32), n["pos"], n["has_gauss"],
                          n["cached_gaussian"]))
     p = state["python"]
     random.setstate((p["version"], tuple(p["state"]), p["gauss_next"]))

@@ -132,6 +132,8 @@ def emulate_gpu_memory(target_bytes: int, device: torch.device | None = None) ->
     device = device or get_device()
     if device.type != "cuda":
         return None  # on CPU, minimind_lib.memory.MemoryMeter(budget_bytes=...) imposes a budget instead
+    if device.index is None:  # set_per_process_memory_fraction needs an index: "cuda" is the current device
+        device = torch.device("cuda", torch.cuda.current_device())
     fraction = memory_fraction_for(target_bytes, total_memory_bytes(device))
     torch.cuda.set_per_process_memory_fraction(fraction, device)
     return fraction

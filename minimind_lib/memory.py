@@ -81,19 +81,26 @@ class MemoryMeter:
     def __init__(self, device: torch.device | str = "cpu", budget_bytes: int | None = None):
         self.device = torch.device(device)
         self.is_cuda = self.device.type == "cuda"
+        if self.is_cuda and self.device.index is None:
+            # set_per_process_memory_fraction needs an index; "cuda" means the current device
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.budget_bytes = None
         self._storages: dict[int, tuple[weakref.ref, int]] = {}  # StorageImpl address -> (weakref, nbytes)
         self._current = 0
         self._peak = 0
-        self.set_budget(budget_bytes)
+        if budget_bytes is not None:
+            self.set_budget(budget_bytes)
 
     # -- budget ------------------------------------------------------------------------------------------------
     def set_budget(self, budget_bytes: int | None) -> None:
         """Impose (or with None lift) a memory budget on this device."""
         if budget_bytes is not None and budget_bytes <= 0:
             raise ValueError(f"budget_bytes must be positive or None, got {budget_bytes}")
+        had_budget = self.budget_bytes is not None
         self.budget_bytes = budget_bytes
-        if self.is_cuda:
+        # On CUDA the allocator enforces it. Lifting touches the device only when this meter had set a cap, so a
+        # meter never undoes a cap set elsewhere (device.emulate_gpu_memory, another meter).
+        if self.is_cuda and (budget_bytes is not None or had_budget):
             total = torch.cuda.get_device_properties(self.device).total_memory
             fraction = 1.0 if budget_bytes is None else min(1.0, budget_bytes / total)
             torch.cuda.set_per_process_memory_fraction(fraction, self.device)

@@ -137,6 +137,11 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     return x[:, :, :, None, :].expand(b, t, n_kv, n_rep, d).reshape(b, t, n_kv * n_rep, d)
 
 
+def is_right_padded(attention_mask: torch.Tensor) -> bool:
+    """True when every row of a (B, T) 0/1 padding mask is ones then zeros (no padding, or padding on the right)."""
+    return bool((attention_mask[:, :-1] >= attention_mask[:, 1:]).all())
+
+
 def build_attention_mask(
     attention_mask: torch.Tensor | None, batch: int, q_len: int, past_len: int, device: torch.device
 ) -> torch.Tensor | None:
@@ -158,7 +163,7 @@ def build_attention_mask(
                 f"padding attention_mask has shape {tuple(attention_mask.shape)}, expected (batch, past+seq) = "
                 f"({batch}, {k_len})"
             )
-        if past_len == 0 and bool((attention_mask[:, :-1] >= attention_mask[:, 1:]).all()):
+        if past_len == 0 and is_right_padded(attention_mask):
             # No padding, or only right padding (what the collators make): real tokens never see a pad under
             # plain causal attention, so SDPA's fast is_causal path is exact for every real token. Pad positions
             # then attend to earlier tokens instead of themselves, and their outputs are never trained or read.

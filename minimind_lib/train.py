@@ -26,6 +26,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from .model import is_right_padded
+
 IGNORE_INDEX = -100
 AMP_MODES = ("auto", "bf16", "fp16", "off")
 NORMALIZATIONS = ("token", "naive")
@@ -238,7 +240,13 @@ def _forward_logits(model: nn.Module, mb: dict) -> torch.Tensor:
 
 
 def _to_device(mb: dict, device: torch.device) -> dict:
-    """Move the tensors of a micro-batch to `device` (non_blocking: overlaps with compute from pinned memory)."""
+    """Move the tensors of a micro-batch to `device` (non_blocking: overlaps with compute from pinned memory).
+
+    A right-padded (B, T) attention_mask is left out: the model would drop it anyway (causal attention is exact
+    for every real token, model.build_attention_mask), and checking it here, on the CPU, spares the GPU a sync."""
+    mask = mb.get("attention_mask")
+    if torch.is_tensor(mask) and mask.dim() == 2 and mask.device.type == "cpu" and is_right_padded(mask):
+        mb = {k: v for k, v in mb.items() if k != "attention_mask"}
     return {k: (v.to(device, non_blocking=True) if torch.is_tensor(v) else v) for k, v in mb.items()}
 
 

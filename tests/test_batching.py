@@ -414,6 +414,7 @@ def test_non_oom_errors_propagate():
         (RuntimeError("[enforce fail at alloc_cpu.cpp] DefaultCPUAllocator: can't allocate memory"), True),
         (torch.OutOfMemoryError("x"), True),
         (MemoryError(), True),
+        (RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"), True),
         (RuntimeError("shape mismatch"), False),
         (ValueError("out of memory"), False),
     ],

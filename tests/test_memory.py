@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import types
 import gc
 
 import pytest
@@ -127,3 +128,24 @@ def test_fake_tensor_measurement_equals_real_on_cpu():
     assert abs(est["peak_bytes"] - real["peak_bytes"]) / real["peak_bytes"] < 0.10
     with pytest.raises(ValueError, match="optimizer must be one of"):
         measure_step_memory(cfg, 1, 8, optimizer="lion")
+
+
+def test_cuda_meter_indexes_the_device_and_leaves_other_caps_alone(monkeypatch):
+    """No GPU here: the CUDA calls are recorded. torch.device("cuda") has no index, which
+    set_per_process_memory_fraction refuses, and a meter without a budget must not reset a cap set elsewhere."""
+    calls = []
+
+    def set_fraction(fraction, device):
+        assert isinstance(device, torch.device) and device.index is not None, device  # what torch requires
+        calls.append((round(fraction, 6), str(device)))
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", set_fraction)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: types.SimpleNamespace(total_memory=8 * 2**30))
+    plain = MemoryMeter(torch.device("cuda"))
+    assert str(plain.device) == "cuda:0" and calls == []  # no budget: the device's settings are not touched
+    plain.set_budget(None)
+    assert calls == []
+    capped = MemoryMeter("cuda", budget_bytes=2 * 2**30)
+    capped.set_budget(None)  # lifting its own cap
+    assert calls == [(0.25, "cuda:0"), (1.0, "cuda:0")]

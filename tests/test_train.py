@@ -305,3 +305,14 @@ def test_fit_stops_when_a_generator_runs_out():
     with pytest.warns(UserWarning, match="ran out after 1 of 5 steps; 1 micro-batch"):
         df = fit(tiny_model(), gen, cfg(max_steps=5), device="cpu")
     assert len(df) == 1 and df.attrs["data_exhausted"] and df.attrs["dropped_micro_batches"] == 1
+
+
+def test_to_device_drops_only_a_right_padded_mask():
+    from minimind_lib.train import _to_device
+
+    ids = torch.tensor([[5, 6, 7], [5, 6, 0]])
+    right = {"input_ids": ids, "labels": ids, "attention_mask": torch.tensor([[1, 1, 1], [1, 1, 0]])}
+    left = {**right, "attention_mask": torch.tensor([[1, 1, 1], [0, 1, 1]])}
+    assert "attention_mask" not in _to_device(right, torch.device("cpu"))  # the model would drop it: exact
+    assert torch.equal(_to_device(left, torch.device("cpu"))["attention_mask"], left["attention_mask"])
+    assert "attention_mask" in right  # the caller's batch is not changed

@@ -669,16 +669,22 @@ def run_levers(args: argparse.Namespace) -> dict:
                 fns[name] = run
             except RuntimeError as exc:
                 levers.setdefault("sdpa_backend_unavailable", {})[name] = str(exc).splitlines()[0][:160]
+        # MiniMind-style "causal AND key is not padding" as an explicit (B, 1, T, T) mask. (A 2-D mask of
+        # right-padded rows would measure nothing: model.build_attention_mask drops it for the is_causal path.)
         masked = dict(big)
-        masked["attention_mask"] = (big["labels"] != IGNORE_INDEX).long()  # the (B, T) padding mask
-        masked["attention_mask"][:, 0] = 1
+        T = big["input_ids"].shape[1]
+        real = big["labels"] != IGNORE_INDEX
+        real[:, 0] = True
+        causal = torch.ones(T, T, dtype=torch.bool).tril()
+        masked["attention_mask"] = causal[None, None] & real[:, None, None, :]
         fns["default_with_padding_mask"] = _fwd_bwd(model, masked, dt, device)
         t = _alternate(fns, device, reps)
         levers["sdpa_backend"] = {
             "seconds_ratio_vs_default": {k: v / t["default"] for k, v in t.items()},
             "micro_batch_shape": list(big["input_ids"].shape),
-            "note": "forward+backward of one micro-batch under each SDPA backend; with_padding_mask passes the (B,T) "
-                    "mask our right-padded batches do not need (it forces an explicit-mask kernel)",
+            "note": "forward+backward of one micro-batch under each SDPA backend; with_padding_mask passes causal AND "
+                    "key-padding as an explicit (B,1,T,T) mask, which our right-padded batches do not need "
+                    "(it forces an explicit-mask kernel)",
         }
 
     # 3. chunked cross-entropy: peak memory and time of the head+loss, full logits vs chunks.
