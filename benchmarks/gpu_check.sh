@@ -21,18 +21,18 @@ out="${1:-${OUT:-build/gpu_check}}"
 work="build/gpu_check_work"
 rm -rf "$work"; mkdir -p "$work" "$out"
 export PYTHONUNBUFFERED=1 MINIMIND_PROFILE="${MINIMIND_PROFILE:-gpu}"
+py=python3
+[ -x .venv/bin/python ] && py=.venv/bin/python
+if [ "$MINIMIND_PROFILE" = gpu ] && ! $py -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+  echo "error: MINIMIND_PROFILE=gpu but torch sees no CUDA device (set MINIMIND_PROFILE=smoke to try this on a CPU)" >&2
+  exit 2
+fi
 if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || echo "warning: installing .whl/ failed; the course needs nbclient+ipykernel" | tee -a "$work/status.txt"
   export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 else
   export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-fi
-py=python3
-[ -x .venv/bin/python ] && py=.venv/bin/python
-if [ "$MINIMIND_PROFILE" = gpu ] && ! $py -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
-  echo "error: MINIMIND_PROFILE=gpu but torch sees no CUDA device (set MINIMIND_PROFILE=smoke to try this on a CPU)" >&2
-  exit 2
 fi
 left() { echo $(( start + $1 - $(date +%s) )); }  # seconds until start + $1
 {

@@ -53,6 +53,9 @@ DEFAULT_SAMPLE_PROMPTS = ("ROMEO.\n", "床前明月光，")
 # different batches than the saved position refers to, so it is an error.
 RESUME_KEYS = ("stage", "model", "data", "val_data", "seq_len", "max_tokens", "val_batches", "max_samples", "batching",
                "long_docs", "init")
+# A pretraining document longer than seq_len is split into rows (no text thrown away); a conversation is one
+# sample, truncated (counted), never split.
+LONG_DOCS_BY_KIND = {"pretrain": "chunk", "sft": "truncate"}
 SMALL_FILE_BYTES = 32 * 2**20  # below this, tokenize in this process (worker start-up costs more than it saves)
 
 
@@ -158,10 +161,8 @@ def _memmap_dataset(path: Path, tok, kind: str, seq_len: int, cache_dir: Path, m
     workers = 0 if path.stat().st_size < SMALL_FILE_BYTES else None
     info = tokenize_to_memmap(path, tok, prefix, kind=kind, num_workers=workers, max_samples=max_samples,
                               progress=progress)
-    if kind == "pretrain":  # split long documents into rows instead of cutting them: no text is thrown away
-        ds = PretrainDataset(str(prefix), tok, seq_len, vocab_size=tok.vocab_size, long_docs="chunk")
-    else:  # a conversation is one sample: truncated (counted), never split
-        ds = SFTDataset(str(prefix), tok, seq_len, vocab_size=tok.vocab_size)
+    cls = PretrainDataset if kind == "pretrain" else SFTDataset
+    ds = cls(str(prefix), tok, seq_len, vocab_size=tok.vocab_size, long_docs=LONG_DOCS_BY_KIND[kind])
     if len(ds) == 0:
         raise RunError(f"{path}: no samples to train on")
     return ds, info
@@ -410,7 +411,7 @@ def _run_impl(stage: str, *, dinfo, data, out, profile, config, max_tokens, accu
         "tokenizer": {"fingerprint": fp, "vocab_size": int(tok.vocab_size)},
         "data": str(data.resolve()), "val_data": str(Path(val_data).resolve()) if val_data else None,
         "seq_len": seq_len, "max_tokens": max_tokens, "val_batches": int(val_batches), "max_samples": max_samples,
-        "batching": "token_budget", "long_docs": "chunk" if stage == "pretrain" else "truncate", "init": str(Path(init).resolve()) if init else None,
+        "batching": "token_budget", "long_docs": LONG_DOCS_BY_KIND[kind], "init": str(Path(init).resolve()) if init else None,
         "device": str(device), "amp": {"mode": amp, "resolved": amp_settings.name, "reason": amp_settings.reason},
         "torch": torch.__version__,
     }
