@@ -59,7 +59,7 @@ PROFILES: dict[str, Profile] = {
     "cpu": Profile(
         name="cpu", model="cpu", seq_len=256, batch_size=16, max_tokens=4096, accum_steps=4,
         train_steps=60, eval_every=50, lr=2e-3,
-        # sized on a quiet 2-core machine (2,260 trained tokens/s at the earlier 60 x 2 x 768): a few minutes each
+        # sized so that notebooks 07 and 08 take a few minutes each on a quiet 2-core machine (a loaded one: far more)
         pretrain=RunSize(steps=200, accum=2, max_tokens=1024, eval_every=20),
         sft=RunSize(steps=100, accum=2, max_tokens=1024, eval_every=20),
         max_samples=None, num_threads=None,
