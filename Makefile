@@ -33,7 +33,7 @@ notebooks: venv
 
 # Execute every notebook in order (cpu or gpu profile, chosen as usual) into build/, with its figures.
 course: venv
-	$(PY) -m minimind_lib.course --out build
+	$(PY) tools/run_course.py --out build
 
 clean:
 	rm -rf build .pytest_cache

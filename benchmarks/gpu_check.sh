@@ -43,7 +43,7 @@ left() { echo $(( start + $1 - $(date +%s) )); }  # seconds until start + $1
   $py -m minimind_lib info --compact
 } 2>&1 | tee "$work/device.txt"
 status=0
-names=$($py -m minimind_lib.bench --help 2>/dev/null | sed -n 's/^benchmarks: //p' | tr ',' ' ')
+names=$($py -m benchmarks --help 2>/dev/null | sed -n 's/^benchmarks: //p' | tr ',' ' ')
 
 # run_bench FILE CAP ARGS...: one benchmark, capped by CAP seconds and by what is left of the phase that ends
 # PHASE_END seconds after the start (default: the bench phase). OPTIONAL=1: running out of time is a note only.
@@ -52,7 +52,7 @@ run_bench() {
   local t; t=$(left "${PHASE_END:-$bench_total}"); [ "$t" -lt "$cap" ] && cap=$t
   if [ "$cap" -lt 10 ]; then echo "skipped $file: out of time" | tee -a "$work/status.txt"; return; fi
   echo "bench $* (cap ${cap}s)"
-  timeout "$cap" $py -m minimind_lib.bench "$@" --json > "$work/$file.json" 2> "$work/$file.err"
+  timeout "$cap" $py -m benchmarks "$@" --json > "$work/$file.json" 2> "$work/$file.err"
   local rc=$?
   if [ $rc -eq 124 ] && [ "${OPTIONAL:-0}" = 1 ]; then
     echo "bench $file not measured: it needed more than ${cap}s (see $file.err)" | tee -a "$work/status.txt"
@@ -81,7 +81,7 @@ if [ $jupyter = 0 ]; then
   :
 elif [ "$t" -ge 30 ]; then
   echo "course (timeout ${t}s)"
-  timeout "$t" $py -m minimind_lib.course --out "$work" --timeout 300 2>&1 | tee "$work/course.log"
+  timeout "$t" $py tools/run_course.py --out "$work" --timeout 300 2>&1 | tee "$work/course.log"
   rc=${PIPESTATUS[0]}
   [ "$rc" -ne 0 ] && { echo "course rc=$rc (124 = out of time; see course.log)" | tee -a "$work/status.txt"; status=1; }
 else

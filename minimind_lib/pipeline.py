@@ -294,10 +294,9 @@ def plan_run(profile: Any = None, stage: str = "pretrain") -> dict:
 
     if stage not in ("pretrain", "sft"):
         raise ValueError(f"stage={stage!r}; choose 'pretrain' or 'sft'")
-    prof = profile if hasattr(profile, "pretrain") else get_profile(profile)
-    size = prof.pretrain if stage == "pretrain" else prof.sft
-    plan = {"steps": size.steps, "accum": size.accum, "max_tokens": max(size.max_tokens, prof.seq_len),
-            "eval_every": size.eval_every}  # a full-length sample must fit one micro-batch
+    prof = profile if hasattr(profile, "pretrain_steps") else get_profile(profile)
+    steps = prof.pretrain_steps if stage == "pretrain" else prof.sft_steps
+    plan = {"steps": steps, "accum": prof.accum_steps, "max_tokens": prof.max_tokens, "eval_every": prof.eval_every}
     reason = (f"profile {prof.name}: {plan['steps']} steps x {plan['accum']} micro-batches x {plan['max_tokens']} "
               f"tokens = {plan['steps'] * plan['accum'] * plan['max_tokens']:,} padded tokens at most "
               f"(the command line runs the same sizes)")
@@ -350,10 +349,7 @@ def _run_impl(stage: str, *, dinfo, data, out, profile, config, max_tokens, accu
     from .tokenizer import check_vocab, load_tokenizer
     from .train import TrainConfig, fit, resolve_amp
 
-    prof = profile if hasattr(profile, "pretrain") else get_profile(profile)
-    size = prof.pretrain if stage == "pretrain" else prof.sft
-    if prof.num_threads:
-        torch.set_num_threads(prof.num_threads)
+    prof = profile if hasattr(profile, "pretrain_steps") else get_profile(profile)
     if dinfo is not None:  # data parallel: this rank's device (cuda:LOCAL_RANK under NCCL, the CPU under gloo)
         device = dinfo.device
     else:
@@ -394,12 +390,12 @@ def _run_impl(stage: str, *, dinfo, data, out, profile, config, max_tokens, accu
     _check_out_dir(out, resume, overwrite)
 
     seq_len = int(seq_len or prof.seq_len)
-    max_tokens = int(max_tokens or max(size.max_tokens, seq_len))
-    accum = int(accum or size.accum)
-    n_steps = int(steps or size.steps)
+    max_tokens = int(max_tokens or max(prof.max_tokens, seq_len))
+    accum = int(accum or prof.accum_steps)
+    n_steps = int(steps or (prof.pretrain_steps if stage == "pretrain" else prof.sft_steps))
     base_lr = float(lr or (prof.lr if stage == "pretrain" else prof.lr / 2))  # SFT: gentler, it starts trained
     max_samples = prof.max_samples if max_samples is None else (max_samples or None)
-    eval_every = int(eval_every or size.eval_every)
+    eval_every = int(eval_every or prof.eval_every)
     cfg = TrainConfig(lr=base_lr, max_steps=n_steps, accum_steps=accum, warmup_steps=max(1, n_steps // 10),
                       amp=amp, eval_every=eval_every, ckpt_every=int(ckpt_every or eval_every),
                       ckpt_dir=str(out), seed=seed, progress=progress)

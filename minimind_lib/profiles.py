@@ -14,68 +14,45 @@ import torch
 
 
 @dataclass(frozen=True)
-class RunSize:
-    """One training run of notebooks 07/08 and the CLI: `steps` optimizer steps of `accum` micro-batches."""
-
-    steps: int  # optimizer steps
-    accum: int  # micro-batches per optimizer step
-    max_tokens: int  # padded tokens (rows x longest row) per micro-batch
-    eval_every: int  # optimizer steps between validation passes
-
-
-@dataclass(frozen=True)
 class Profile:
-    """The sizes of one way of running the course."""
+    """The sizes of one way of running the course: one micro-batch size and one accumulation for every notebook."""
 
     name: str
     model: str  # a preset name for MiniMindConfig.preset
     seq_len: int  # longest row fed to the model, in tokens
-    batch_size: int  # rows per micro-batch for fixed-size batching
-    max_tokens: int  # padded tokens (rows x longest row) per micro-batch for token budgets
-    accum_steps: int  # micro-batches per optimizer step in the accumulation demos
-    train_steps: int  # optimizer steps of the short training demos (notebooks 04-06)
-    pretrain: RunSize  # the pretraining run of notebook 07 and `python -m minimind_lib pretrain`
-    sft: RunSize  # the SFT run of notebook 08 and `python -m minimind_lib sft`
+    batch_size: int  # rows per micro-batch; a token-budget micro-batch holds max_tokens = batch_size x seq_len
+    accum_steps: int  # micro-batches per optimizer step
+    lr: float  # peak learning rate (SFT uses half of it: it starts from a trained model)
+    train_steps: int  # optimizer steps of the short experiments of notebooks 04-06
+    pretrain_steps: int  # optimizer steps of the pretraining run (notebook 07, `python -m minimind_lib pretrain`)
+    sft_steps: int  # optimizer steps of the SFT run (notebook 08, `python -m minimind_lib sft`)
     eval_every: int  # optimizer steps between validation passes
-    lr: float  # peak learning rate
     max_samples: int | None  # cap on samples read from data/ (None: all of them)
-    num_threads: int | None  # torch CPU threads (None: leave torch's default)
+
+    @property
+    def max_tokens(self) -> int:
+        """Padded tokens (rows x longest row) of one micro-batch: the same memory as batch_size full rows."""
+        return self.batch_size * self.seq_len
 
     def to_dict(self) -> dict:
-        """The profile as a plain dict (for JSON and tables)."""
-        return asdict(self)
+        """The profile as a plain dict (for JSON and tables), max_tokens included."""
+        return {**asdict(self), "max_tokens": self.max_tokens}
 
 
 PROFILES: dict[str, Profile] = {
     # CI on 2 CPU cores: every notebook in about a minute; proves the code runs, not that it learns well.
-    "smoke": Profile(
-        name="smoke", model="smoke", seq_len=128, batch_size=8, max_tokens=1024, accum_steps=4,
-        train_steps=12, eval_every=10, lr=3e-3,
-        pretrain=RunSize(steps=24, accum=2, max_tokens=128, eval_every=6),
-        sft=RunSize(steps=16, accum=2, max_tokens=128, eval_every=4),
-        max_samples=2000, num_threads=None,
-    ),
-    # A learner's laptop CPU: a few minutes per notebook, loss visibly falls.
-    "cpu": Profile(
-        name="cpu", model="cpu", seq_len=256, batch_size=16, max_tokens=4096, accum_steps=4,
-        train_steps=60, eval_every=50, lr=2e-3,
-        # sized so that notebooks 07 and 08 take a few minutes each on a quiet 2-core machine (a loaded one: far more)
-        pretrain=RunSize(steps=200, accum=2, max_tokens=1024, eval_every=20),
-        sft=RunSize(steps=100, accum=2, max_tokens=1024, eval_every=20),
-        max_samples=None, num_threads=None,
-    ),
-    # The real MiniMind2-small (25,829,888 parameters) at MiniMind's sequence length.
-    "gpu": Profile(
-        name="gpu", model="minimind2-small", seq_len=512, batch_size=32, max_tokens=16384, accum_steps=4,
-        train_steps=200, eval_every=200, lr=1e-3,
-        # Sized by the bundled data, not by a guess of GPU speed: data/pretrain.jsonl is 2.30M tokens at seq 512
-        # (long documents chunked), so 300 x 2 x 16384 = 9.8M padded tokens is ~4 epochs; data/sft.jsonl is
-        # 0.66M tokens, so 100 x 2 x 8192 is ~2.5 epochs. Not yet timed on a GPU (benchmarks/gpu_check.sh is
-        # that run); for real training bring MiniMind's 1.6 GB pretrain file and raise `steps`.
-        pretrain=RunSize(steps=300, accum=2, max_tokens=16384, eval_every=25),
-        sft=RunSize(steps=100, accum=2, max_tokens=8192, eval_every=20),
-        max_samples=None, num_threads=None,
-    ),
+    "smoke": Profile(name="smoke", model="smoke", seq_len=128, batch_size=4, accum_steps=2, lr=3e-3,
+                     train_steps=12, pretrain_steps=24, sft_steps=16, eval_every=6, max_samples=2000),
+    # A learner's laptop CPU: a few minutes per notebook, the loss visibly falls. The pretraining run is
+    # 100 x 4 x 1024 = 410k padded tokens (about 2.5 minutes on a quiet 2-core machine), SFT half of that.
+    "cpu": Profile(name="cpu", model="cpu", seq_len=256, batch_size=4, accum_steps=4, lr=2e-3,
+                   train_steps=60, pretrain_steps=100, sft_steps=50, eval_every=10, max_samples=None),
+    # The real MiniMind2-small (25,829,888 parameters) at MiniMind's sequence length. Sized by the bundled data,
+    # not by a guess of GPU speed: data/pretrain.jsonl is 2.30M tokens at seq 512 (long documents chunked), so
+    # 300 x 2 x 16384 = 9.8M padded tokens is ~4 epochs; data/sft.jsonl is 0.66M tokens, so 50 x 2 x 16384 is
+    # ~2.5 epochs. For real training bring MiniMind's 1.6 GB pretrain file and raise the steps.
+    "gpu": Profile(name="gpu", model="minimind2-small", seq_len=512, batch_size=32, accum_steps=2, lr=1e-3,
+                   train_steps=200, pretrain_steps=300, sft_steps=50, eval_every=25, max_samples=None),
 }
 
 

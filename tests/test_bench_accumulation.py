@@ -1,4 +1,4 @@
-"""Smoke test of `python -m minimind_lib.bench accumulation --json`: keys and types, not the figures."""
+"""Smoke test of `python -m benchmarks accumulation --json`: keys and types, not the figures."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from minimind_lib.bench.__main__ import main as bench_main
-from minimind_lib.bench.accumulation import main
+from benchmarks.__main__ import main as bench_main
+from benchmarks.accumulation import main
 
 torch.set_num_threads(1)
 

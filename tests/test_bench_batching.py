@@ -1,4 +1,4 @@
-"""Smoke test of `python -m minimind_lib.bench batching`: keys and types, not the figures."""
+"""Smoke test of `python -m benchmarks batching`: keys and types, not the figures."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ KEYS = {
 
 
 def test_bench_batching_smoke_keys_and_types():
-    from minimind_lib.bench.batching import main
+    from benchmarks.batching import main
 
     res = main(["--profile", "smoke", "--batches", "1", "--oom-steps", "2", "--max-samples", "200", "--threads", "1"])
     for key, typ in KEYS.items():
@@ -41,7 +41,7 @@ def test_bench_batching_smoke_keys_and_types():
 
 
 def test_bench_batching_bad_data_choice():
-    from minimind_lib.bench.batching import load_dataset, main
+    from benchmarks.batching import load_dataset, main
     from minimind_lib.profiles import get_profile
 
     with pytest.raises(SystemExit):

@@ -1,10 +1,10 @@
-"""Smoke test of `python -m minimind_lib.bench memmap`: runs main() small and checks keys and types."""
+"""Smoke test of `python -m benchmarks memmap`: runs main() small and checks keys and types."""
 
 from __future__ import annotations
 
 import json
 
-from minimind_lib.bench import memmap
+from benchmarks import memmap
 
 
 def test_bench_memmap_keys(tmp_path, monkeypatch):

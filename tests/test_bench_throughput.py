@@ -1,4 +1,4 @@
-"""Smoke tests of `python -m minimind_lib.bench throughput` and of the baseline / lever helpers (not the figures)."""
+"""Smoke tests of `python -m benchmarks throughput` and of the baseline / lever helpers (not the figures)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import sys
 import pytest
 import torch
 
-from minimind_lib.baseline import BaselineRecipe, get_lr, minimind_rows, trained_tokens
-from minimind_lib.bench import throughput as T
+from benchmarks.baseline import BaselineRecipe, get_lr, minimind_rows, trained_tokens
+from benchmarks import throughput as T
 from minimind_lib.model import MiniMindConfig, MiniMindForCausalLM, lm_loss
 
 TINY = ["--profile", "smoke", "--steps", "1", "--repeats", "1", "--batch", "2", "--accum", "2", "--seq", "32",
@@ -46,7 +46,7 @@ def test_main_pack_strategy_without_baseline():
 
 
 def test_cli_prints_json():
-    out = subprocess.run([sys.executable, "-m", "minimind_lib.bench", "throughput", "--json", *TINY, "--no-memory"],
+    out = subprocess.run([sys.executable, "-m", "benchmarks", "throughput", "--json", *TINY, "--no-memory"],
                          capture_output=True, text=True, timeout=120, check=True)
     assert json.loads(out.stdout)["benchmark"] == "throughput"
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from minimind_lib.bench.accumulation import collate, synthetic_samples
+from benchmarks.accumulation import collate, synthetic_samples
 from minimind_lib.checkpoint import (get_rng_state, load_training_state, read_training_state, save_training_state,
                                      set_rng_state)
 from minimind_lib.model import MiniMindConfig, MiniMindForCausalLM, load_checkpoint, save_checkpoint

@@ -189,13 +189,13 @@ def test_plan_run_takes_the_profiles_stage_sizes():
 
     smoke = pipeline.plan_run("smoke", "pretrain")
     prof = get_profile("smoke")
-    assert (smoke["steps"], smoke["accum"], smoke["eval_every"]) == (prof.pretrain.steps, prof.pretrain.accum,
-                                                                    prof.pretrain.eval_every)
-    assert smoke["max_tokens"] == max(prof.pretrain.max_tokens, prof.seq_len)
+    assert (smoke["steps"], smoke["accum"], smoke["eval_every"]) == (prof.pretrain_steps, prof.accum_steps,
+                                                                    prof.eval_every)
+    assert smoke["max_tokens"] == prof.max_tokens
     assert "profile smoke" in smoke["reason"]
     gpu = pipeline.plan_run("gpu", "sft")
     g = get_profile("gpu")
-    assert (gpu["steps"], gpu["accum"], gpu["max_tokens"]) == (g.sft.steps, g.sft.accum, g.sft.max_tokens)
+    assert (gpu["steps"], gpu["accum"], gpu["max_tokens"]) == (g.sft_steps, g.accum_steps, g.max_tokens)
     assert set(pipeline.plan_kwargs(gpu)) == {"steps", "accum", "max_tokens", "eval_every"}
     with pytest.raises(ValueError, match="stage='dpo'"):
         pipeline.plan_run("smoke", "dpo")

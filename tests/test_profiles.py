@@ -34,15 +34,12 @@ def test_profiles_are_ordered_by_size():
     assert gpu.model == "minimind2-small" and gpu.seq_len == 512
     for field in ("seq_len", "max_tokens"):
         assert getattr(smoke, field) <= getattr(cpu, field) <= getattr(gpu, field), field
-    for stage in ("pretrain", "sft"):
-        sizes = [getattr(p, stage) for p in (smoke, cpu, gpu)]
-        tokens = [s.steps * s.accum * s.max_tokens for s in sizes]
+    for stage in ("pretrain_steps", "sft_steps"):
+        tokens = [getattr(p, stage) * p.accum_steps * p.max_tokens for p in (smoke, cpu, gpu)]
         assert tokens == sorted(tokens), (stage, tokens)
     for p in PROFILES.values():
-        # a token budget must hold at least one full-length row
-        assert p.max_tokens >= p.seq_len
-        for size in (p.pretrain, p.sft):
-            assert 1 <= size.eval_every <= size.steps
+        assert p.max_tokens == p.batch_size * p.seq_len  # one micro-batch size: batch_size full rows
+        assert 1 <= p.eval_every <= min(p.pretrain_steps, p.sft_steps)
 
 
 def test_overrides_do_not_touch_the_registry():

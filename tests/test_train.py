@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import minimind_lib.device as device_mod
-from minimind_lib.bench.accumulation import collate, gradients, max_rel_err, split, synthetic_samples
+from benchmarks.accumulation import collate, gradients, max_rel_err, split, synthetic_samples
 from minimind_lib.model import MiniMindConfig, MiniMindForCausalLM, lm_loss
 from minimind_lib.train import (AmpSettings, DataStream, TrainConfig, accumulate_step, build_optimizer, evaluate,
                                 fit, lr_at, resolve_amp, step_token_count)

@@ -1,6 +1,6 @@
 """Benchmark: exact token-weighted gradient accumulation vs one big batch, and what accumulation costs in memory.
 
-`python -m minimind_lib.bench accumulation --json` prints grad_max_rel_err (k token-weighted micro-batches vs
+`python -m benchmarks accumulation --json` prints grad_max_rel_err (k token-weighted micro-batches vs
 one batch of the same samples), naive_grad_max_rel_err (MiniMind's per-micro-batch mean / k), and the peak
 memory of one optimizer step without (peak_bytes_accum1) and with (peak_bytes_accumK) accumulation, on
 samples of data/ (varied lengths) when it exists, else on synthetic token ids of varied lengths.
@@ -16,7 +16,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from ..train import accumulate_step, build_optimizer, resolve_amp, TrainConfig
+from minimind_lib.train import accumulate_step, build_optimizer, resolve_amp, TrainConfig
 
 
 def synthetic_samples(n: int, *, vocab_size: int = 6400, min_len: int = 8, max_len: int = 128,
@@ -37,12 +37,12 @@ def load_samples(profile, n: int, *, seed: int = 0) -> tuple[list[dict], str]:
     Drawn from a pool of 8n so that lengths vary (a contiguous run of long documents would all be cut to
     profile.seq_len). Returns (samples, source) where source names the file or says "synthetic".
     """
-    from ..paths import ASSETS_DIR, DATA_DIR
+    from minimind_lib.paths import ASSETS_DIR, DATA_DIR
 
     path = DATA_DIR / "pretrain.jsonl"
     if path.is_file() and (ASSETS_DIR / "tokenizer" / "tokenizer.json").is_file():
-        from ..data import PretrainDataset
-        from ..tokenizer import load_tokenizer
+        from minimind_lib.data import PretrainDataset
+        from minimind_lib.tokenizer import load_tokenizer
 
         ds = PretrainDataset(path, load_tokenizer(), profile.seq_len, max_samples=max(8 * n, 256))
         if len(ds) >= n:
@@ -53,7 +53,7 @@ def load_samples(profile, n: int, *, seed: int = 0) -> tuple[list[dict], str]:
 
 def collate(samples: Sequence[dict]) -> dict:
     """Pad samples to the longest row (data.pad_to_longest: pads get label -100 and attention_mask 0)."""
-    from ..data import pad_to_longest
+    from minimind_lib.data import pad_to_longest
 
     return pad_to_longest(list(samples), pad_id=0)
 
@@ -88,7 +88,7 @@ def measure_step_peak(model: nn.Module, micro_batches: Sequence[dict], *, device
     Runs on a deep copy of `model` so the caller's weights stay untouched. With `warmup`, one step runs
     first so AdamW's states exist, as in every step of a real run but the first.
     """
-    from ..memory import MemoryMeter
+    from minimind_lib.memory import MemoryMeter
 
     device = torch.device(device)
     model = copy.deepcopy(model).to(device)
@@ -122,11 +122,11 @@ def measure_step_peak(model: nn.Module, micro_batches: Sequence[dict], *, device
 
 def main(argv: list[str]) -> dict:
     """Run the benchmark; return its JSON-ready result."""
-    from ..device import get_device
-    from ..model import MiniMindConfig, MiniMindForCausalLM
-    from ..profiles import get_profile
+    from minimind_lib.device import get_device
+    from minimind_lib.model import MiniMindConfig, MiniMindForCausalLM
+    from minimind_lib.profiles import get_profile
 
-    ap = argparse.ArgumentParser(prog="python -m minimind_lib.bench accumulation")
+    ap = argparse.ArgumentParser(prog="python -m benchmarks accumulation")
     ap.add_argument("--profile", default=None, help="smoke | cpu | gpu (default: the selected profile)")
     ap.add_argument("--device", default=None, help="cpu | cuda | mps (default: the best available)")
     ap.add_argument("--batch", type=int, default=None, help="rows of the big batch (default: profile.batch_size)")

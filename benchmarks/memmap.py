@@ -1,6 +1,6 @@
 """Benchmark: tokenize once into a memmap vs tokenize inside __getitem__ (MiniMind's way).
 
-`python -m minimind_lib.bench memmap --json [--data data/pretrain.jsonl] [--max-samples N]`
+`python -m benchmarks memmap --json [--data data/pretrain.jsonl] [--max-samples N]`
 
 Each side runs in its own fresh (spawned) process so that their peak RSS do not pollute each other:
 - memmap: `tokenize_to_memmap` (worker processes) once, then one pass over a memmap-backed PretrainDataset
@@ -110,7 +110,7 @@ def main(argv: list[str]) -> dict:
     from minimind_lib.paths import DATA_DIR
     from minimind_lib.profiles import get_profile
 
-    p = argparse.ArgumentParser(prog="python -m minimind_lib.bench memmap", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks memmap", description=__doc__.split("\n")[0])
     p.add_argument("--data", default=str(DATA_DIR / "pretrain.jsonl"), help="a pretrain jsonl file")
     p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the bundled one)")
     p.add_argument("--profile", default=None, help="smoke|cpu|gpu (default: MINIMIND_PROFILE / auto)")

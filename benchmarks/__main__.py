@@ -1,4 +1,4 @@
-"""Dispatch `python -m minimind_lib.bench NAME [args]` to minimind_lib/bench/NAME.py."""
+"""Dispatch `python -m benchmarks NAME [args]` to benchmarks/NAME.py."""
 
 from __future__ import annotations
 
@@ -7,12 +7,14 @@ import json
 import pkgutil
 import sys
 
-import minimind_lib.bench as bench_pkg
+import benchmarks as bench_pkg
 
 
 def available() -> list[str]:
     """Names of the benchmarks that exist."""
-    return sorted(m.name for m in pkgutil.iter_modules(bench_pkg.__path__) if not m.name.startswith("_"))
+    helpers = {"baseline"}  # imported by the benchmarks, not one itself
+    return sorted(m.name for m in pkgutil.iter_modules(bench_pkg.__path__)
+                  if not m.name.startswith("_") and m.name not in helpers)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -20,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     names = available()
     if not argv or argv[0] in ("-h", "--help"):
-        print(f"usage: python -m minimind_lib.bench NAME [--json] [options]\nbenchmarks: {', '.join(names)}")
+        print(f"usage: python -m benchmarks NAME [--json] [options]\nbenchmarks: {', '.join(names)}")
         return 0 if argv else 2
     name, rest = argv[0], argv[1:]
     if name not in names:
@@ -28,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     as_json = "--json" in rest
     rest = [a for a in rest if a != "--json"]
-    result = importlib.import_module(f"minimind_lib.bench.{name}").main(rest)
+    result = importlib.import_module(f"benchmarks.{name}").main(rest)
     if as_json:
         print(json.dumps(result))
     else:

@@ -1,6 +1,6 @@
 """Benchmark: padding and useful tokens/s of four batching strategies, and OOM recovery, on data/.
 
-`python -m minimind_lib.bench batching --json` measures, in one process on the same samples and the same
+`python -m benchmarks batching --json` measures, in one process on the same samples and the same
 model (same initial weights for every strategy):
 
 * padding_fraction_{fixed,longest,token_budget,packed}: over a whole epoch of the dataset, from lengths;
@@ -26,7 +26,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from ..batching import (
+from minimind_lib.batching import (
     AdaptiveBatchController,
     StepSamples,
     TokenBudgetBatchSampler,
@@ -43,9 +43,9 @@ STRATEGIES = ("fixed", "longest", "token_budget", "packed")
 
 def load_dataset(kind: str, profile, tokenizer=None):
     """PretrainDataset or SFTDataset of data/ at profile.seq_len (profile.max_samples caps the samples read)."""
-    from ..data import PretrainDataset, SFTDataset
-    from ..paths import DATA_DIR
-    from ..tokenizer import load_tokenizer
+    from minimind_lib.data import PretrainDataset, SFTDataset
+    from minimind_lib.paths import DATA_DIR
+    from minimind_lib.tokenizer import load_tokenizer
 
     tokenizer = tokenizer or load_tokenizer()
     if kind == "pretrain":
@@ -124,7 +124,7 @@ def _sync(device: torch.device) -> None:
 def time_strategies(model: torch.nn.Module, batches: dict[str, list[dict]], device: torch.device,
                     lr: float = 1e-3, warmup: int = 1) -> dict[str, dict]:
     """Useful tokens/s of forward+backward+AdamW per strategy, round-robin, from identical initial weights."""
-    from ..train import TrainConfig, accumulate_step, batch_token_count, build_optimizer, resolve_amp
+    from minimind_lib.train import TrainConfig, accumulate_step, batch_token_count, build_optimizer, resolve_amp
 
     amp = resolve_amp("auto", device)
     runs = {}
@@ -166,8 +166,8 @@ def time_strategies(model: torch.nn.Module, batches: dict[str, list[dict]], devi
 
 def memory_per_step(model: torch.nn.Module, batches: list[dict], device: torch.device) -> list[int]:
     """Peak bytes (MemoryMeter: CPU live tensors / CUDA allocator) of forward+backward of each batch."""
-    from ..memory import MemoryMeter
-    from ..train import accumulate_step
+    from minimind_lib.memory import MemoryMeter
+    from minimind_lib.train import accumulate_step
 
     m = copy.deepcopy(model).to(device).train()
     meter = MemoryMeter(device)
@@ -191,8 +191,8 @@ def controller_under_budget(model: torch.nn.Module, dataset, profile, device: to
     Returns the metrics frame of fit, the controller, the budget and the free-run peaks; the controller's
     recorded sample ids of successful attempts prove no sample was lost or repeated.
     """
-    from ..memory import MemoryMeter
-    from ..train import TrainConfig, fit
+    from minimind_lib.memory import MemoryMeter
+    from minimind_lib.train import TrainConfig, fit
 
     mbs = profile.batch_size
     step_size = step_size or mbs * 2
@@ -279,12 +279,12 @@ def measure(kind: str, profile, model, device, n_batches: int, seed: int = 0, to
 
 def main(argv: list[str] | None = None) -> dict:
     """Run the batching benchmark and return its JSON-ready result."""
-    from ..device import describe, get_device
-    from ..model import MiniMindConfig, MiniMindForCausalLM
-    from ..profiles import get_profile
-    from ..tokenizer import load_tokenizer
+    from minimind_lib.device import describe, get_device
+    from minimind_lib.model import MiniMindConfig, MiniMindForCausalLM
+    from minimind_lib.profiles import get_profile
+    from minimind_lib.tokenizer import load_tokenizer
 
-    p = argparse.ArgumentParser(prog="python -m minimind_lib.bench batching", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks batching", description=__doc__.splitlines()[0])
     p.add_argument("--profile", default=None, help="smoke | cpu | gpu (default: MINIMIND_PROFILE / auto)")
     p.add_argument("--data", default="pretrain", choices=["pretrain", "sft", "both"])
     p.add_argument("--batches", type=int, default=None, help="timed micro-batches per strategy")
@@ -354,7 +354,7 @@ def warmup_experiment(model: torch.nn.Module, dataset, val_batches: list[dict], 
 
     Same initial weights, same sampler seed: the only difference is the order of the first `warmup_batches`.
     """
-    from ..train import TrainConfig, accumulate_step, build_optimizer, evaluate, lr_at
+    from minimind_lib.train import TrainConfig, accumulate_step, build_optimizer, evaluate, lr_at
 
     out = {}
     for name, wb in (("shuffled", 0), ("shorter_first", warmup_batches)):

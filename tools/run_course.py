@@ -1,4 +1,4 @@
-"""Execute the course's notebooks in order, headless: `python -m minimind_lib.course [--out build] [--inplace]`.
+"""Execute the course's notebooks in order, headless: `python tools/run_course.py [--out build] [--inplace]`.
 
 Writes executed copies to OUT/notebooks/ and every PNG figure to OUT/figures/ (named after its notebook and cell).
 With --inplace the notebooks in notebooks/ get the outputs (how the committed outputs are made).
@@ -14,7 +14,8 @@ import sys
 import time
 from pathlib import Path
 
-from .paths import REPO_DIR
+from minimind_lib.device import device_report
+from minimind_lib.paths import REPO_DIR
 
 
 def notebook_paths(notebook_dir: Path, only: list[str] | None = None) -> list[Path]:
@@ -78,8 +79,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     records = run_course(args.out, args.inplace, args.only, args.timeout, args.kernel)
-    from .device import device_report
-
     summary = {"device": device_report(), "notebooks": records}
     (args.out / "course.json").write_text(json.dumps(summary, indent=2))
     return 1 if any(r["error"] for r in records) else 0

@@ -1,6 +1,6 @@
 """Training throughput, model FLOPs utilisation, and ours vs MiniMind's recipe on the same batches.
 
-    python -m minimind_lib.bench throughput --json [--config NAME] [--seq N] [--batch B] [--steps S]
+    python -m benchmarks throughput --json [--config NAME] [--seq N] [--batch B] [--steps S]
                                                    [--baseline] [--compile] [--strategy budget|pack] [--levers]
 
 What is timed: whole optimizer steps (host-to-device copies, forward, backward, clipping, optimizer) over
@@ -12,7 +12,7 @@ sorted by length, padded to the longest row, no attention mask: right padding un
 packed rows (--strategy pack: block-causal mask, per-document positions); exact token-weighted accumulation
 (train.accumulate_step); AMP from train.resolve_amp; AdamW with the library's parameter groups, fused where this
 torch has a fused kernel for the device (CUDA and, since torch 2.4, CPU).
-Baseline (--baseline): minimind_lib.baseline, MiniMind's recipe on the same samples and the same number of
+Baseline (--baseline): benchmarks.baseline, MiniMind's recipe on the same samples and the same number of
 optimizer steps (pad to max length, per-micro-batch mean / accumulation_steps, fp16 autocast + GradScaler on CUDA
 and fp32 on CPU, torch's default AdamW). The two are timed back to back, `--repeats` times, alternating which goes
 first; ``ratio_useful_tokens_per_s`` is the median of the per-repeat (paired) ratios, tokens/s are medians.
@@ -66,7 +66,7 @@ FLOPS_FORMULA = "6*N + 12*L*d*T (PaLM); N = all parameters counted once (tied em
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     """The benchmark's arguments; defaults come from the profile."""
-    p = argparse.ArgumentParser(prog="python -m minimind_lib.bench throughput", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks throughput", description=__doc__.splitlines()[0])
     p.add_argument("--profile", default=None, help="profile name (default: MINIMIND_PROFILE or auto)")
     p.add_argument("--config", default=None, help="model preset (default: the profile's)")
     p.add_argument("--seq", type=int, default=None, help="max row length in tokens (default: profile.seq_len)")
@@ -112,7 +112,7 @@ def load_samples(path: Path, tokenizer, seq_len: int, n_needed: int, max_samples
     If the file has fewer samples than needed, it is cycled (a fresh permutation per pass); the
     returned info says how many distinct samples there were and how many passes it took.
     """
-    from ..data import PretrainDataset
+    from minimind_lib.data import PretrainDataset
 
     path = Path(path)
     if not path.is_file():
@@ -142,8 +142,8 @@ def step_token_count(micro_batches: Sequence[dict], key: str = "labels") -> int:
 def ours_micro_batches(samples: Sequence[dict], seq_len: int, max_tokens: int, strategy: str, pad_id: int,
                        pad_multiple: int | None = None) -> list[dict]:
     """Our micro-batches of one optimizer step's samples: token-budget groups or packed rows."""
-    from ..batching import TokenBudgetBatchSampler, collate_packed, pack_sequences
-    from ..data import pad_to_longest
+    from minimind_lib.batching import TokenBudgetBatchSampler, collate_packed, pack_sequences
+    from minimind_lib.data import pad_to_longest
 
     if strategy == "budget":
         lengths = [int(s["input_ids"].numel()) for s in samples]
@@ -172,7 +172,7 @@ def ours_micro_batches(samples: Sequence[dict], seq_len: int, max_tokens: int, s
 
 def baseline_micro_batches(samples: Sequence[dict], seq_len: int, batch: int, pad_id: int) -> list[dict]:
     """MiniMind's micro-batches of one optimizer step: consecutive `batch` samples padded to seq_len."""
-    from ..baseline import minimind_rows
+    from .baseline import minimind_rows
 
     return [minimind_rows(samples[i:i + batch], seq_len, pad_id) for i in range(0, len(samples), batch)]
 
@@ -237,7 +237,7 @@ def fused_adamw_supported(device: torch.device) -> bool:
 
 def make_optimizer(model: nn.Module, cfg, device: torch.device, fused: str = "auto") -> tuple[torch.optim.Optimizer, str]:
     """train.build_optimizer's AdamW (same groups and hyper-parameters), with the fused kernel where supported."""
-    from ..train import build_optimizer
+    from minimind_lib.train import build_optimizer
 
     opt = build_optimizer(model, cfg, device)
     want = fused == "on" or (fused == "auto" and fused_adamw_supported(device))
@@ -258,7 +258,7 @@ class OursRecipe:
     """The library's recipe for one model: exact token-weighted accumulation, resolve_amp, AdamW, clipping."""
 
     def __init__(self, model: nn.Module, device: torch.device, lr: float, total_steps: int, fused: str = "auto"):
-        from ..train import TrainConfig, make_scaler, resolve_amp
+        from minimind_lib.train import TrainConfig, make_scaler, resolve_amp
 
         self.model, self.device = model, device
         self.cfg = TrainConfig(lr=lr, max_steps=max(1, total_steps), warmup_steps=1, progress=False)
@@ -270,7 +270,7 @@ class OursRecipe:
 
     def train_step(self, micro_batches: Sequence[dict]) -> dict:
         """One optimizer step over the micro-batches (what train.fit does per step, minus logging)."""
-        from ..train import accumulate_step, lr_at
+        from minimind_lib.train import accumulate_step, lr_at
 
         lr = lr_at(self.step, lr=self.cfg.lr, min_lr=self.cfg.min_lr, warmup_steps=self.cfg.warmup_steps,
                    max_steps=self.cfg.max_steps)
@@ -314,7 +314,7 @@ def try_compile(model: nn.Module, device: torch.device, dynamic: bool | None = N
 
 def peak_memory_of(fn: Callable[[], object], device: torch.device, *tracked) -> int:
     """Peak bytes while fn() runs: CUDA allocator peak, or MemoryMeter's live-tensor peak on CPU (untimed)."""
-    from ..memory import MemoryMeter
+    from minimind_lib.memory import MemoryMeter
 
     gc.collect()
     meter = MemoryMeter(device)
@@ -338,11 +338,11 @@ def peak_memory_of(fn: Callable[[], object], device: torch.device, *tracked) -> 
 
 def _setup(args: argparse.Namespace):
     """Profile, device, config, tokenizer, samples grouped per step, and both recipes' micro-batches."""
-    from ..device import get_device
-    from ..model import MiniMindConfig
-    from ..paths import DATA_DIR
-    from ..profiles import get_profile
-    from ..tokenizer import load_tokenizer
+    from minimind_lib.device import get_device
+    from minimind_lib.model import MiniMindConfig
+    from minimind_lib.paths import DATA_DIR
+    from minimind_lib.profiles import get_profile
+    from minimind_lib.tokenizer import load_tokenizer
 
     profile = get_profile(args.profile)
     threads = args.threads or profile.num_threads
@@ -377,7 +377,7 @@ def _setup(args: argparse.Namespace):
 
 
 def _new_model(config, device: torch.device, seed: int) -> nn.Module:
-    from ..model import MiniMindForCausalLM
+    from minimind_lib.model import MiniMindForCausalLM
 
     torch.manual_seed(seed)
     return MiniMindForCausalLM(config).to(device).train()
@@ -396,9 +396,9 @@ def _timed(fn: Callable[[], object], device: torch.device) -> float:
 
 def run_throughput(args: argparse.Namespace) -> dict:
     """Time our recipe (and with --baseline MiniMind's) on the same samples; tokens/s, FLOPs, memory."""
-    from ..baseline import BaselineRecipe
-    from ..device import device_name
-    from ..model import count_parameters
+    from .baseline import BaselineRecipe
+    from minimind_lib.device import device_name
+    from minimind_lib.model import count_parameters
 
     s = _setup(args)
     device, config = s["device"], s["config"]
@@ -587,7 +587,7 @@ def _alternate(fns: dict[str, Callable[[], object]], device: torch.device, repea
 
 def _fwd_bwd(model: nn.Module, mb: dict, amp_dtype, device: torch.device, loss_fn=None) -> Callable[[], None]:
     """A closure: forward + sum-loss + backward on one micro-batch, grads dropped afterwards."""
-    from ..model import lm_loss
+    from minimind_lib.model import lm_loss
 
     mb = {k: v.to(device) for k, v in mb.items()}
 
@@ -608,8 +608,8 @@ def run_levers(args: argparse.Namespace) -> dict:
     """Each lever as a ratio measured in this process (alternating repeats), with peak memory where it matters."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from ..device import device_name
-    from ..train import resolve_amp
+    from minimind_lib.device import device_name
+    from minimind_lib.train import resolve_amp
 
     s = _setup(args)
     device, config, profile = s["device"], s["config"], s["profile"]
@@ -695,7 +695,7 @@ def run_levers(args: argparse.Namespace) -> dict:
 
         with torch.no_grad():
             dev_mb = {k: v.to(device) for k, v in full_mb.items()}
-            from ..model import lm_loss
+            from minimind_lib.model import lm_loss
             with torch.autocast(device.type, dtype=dt, enabled=dt is not None):
                 ref = float(lm_loss(model(dev_mb["input_ids"]).logits, dev_mb["labels"], reduction="sum"))
                 got = float(chunked_loss(model, dev_mb))
@@ -767,8 +767,8 @@ def run_levers(args: argparse.Namespace) -> dict:
 
     # 7. DataLoader workers: MiniMind-style lazy tokenization in __getitem__, 0 vs 2 workers, vs training speed.
     if want("dataloader_workers"):
-        from ..data import PretrainDataset, make_collator, measure_dataloader
-        from ..paths import DATA_DIR
+        from minimind_lib.data import PretrainDataset, make_collator, measure_dataloader
+        from minimind_lib.paths import DATA_DIR
 
         data = Path(args.data) if args.data else DATA_DIR / "pretrain.jsonl"
         lazy = PretrainDataset(data, s["tok"], s["seq"], max_samples=min(2000, args.max_samples or 2000), lazy=True)
