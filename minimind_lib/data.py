@@ -926,15 +926,38 @@ def make_collator(strategy: str, pad_id: int = 0, max_length: int | None = None)
     raise ValueError(f"strategy={strategy!r} is not valid; choose 'max_length' or 'longest'")
 
 
-def padding_fraction(batch: dict | torch.Tensor) -> float:
-    """Fraction of positions of a collated batch (or attention mask) that are padding."""
-    mask = batch["attention_mask"] if isinstance(batch, dict) else batch
-    return 1.0 - float(mask.sum()) / max(1, mask.numel())
+def padding_fraction(batch_lengths: Sequence[Sequence[int]], seq_len: int | None = None) -> float:
+    """Share of padding in batches of sample lengths, each padded to seq_len (if given) or to its longest row."""
+    real = sum(sum(b) for b in batch_lengths)
+    padded = sum(len(b) * (seq_len if seq_len is not None else max(b)) for b in batch_lengths if len(b))
+    return 1.0 - real / padded if padded else 0.0
 
 
-def trained_tokens(batch: dict) -> int:
-    """Number of predicted (trained) tokens of a collated batch: (labels[:, 1:] != -100).sum()."""
-    return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+def trained_tokens(labels: torch.Tensor) -> int:
+    """Trained (predicted) tokens of a (B, T) label tensor: the shifted labels that are not IGNORE_INDEX."""
+    return int((labels[:, 1:] != IGNORE_INDEX).sum())
+
+
+def pad_collate(samples: Sequence[dict], pad_id: int = 0, seq_len: int | None = None,
+                fixed: bool = False) -> dict[str, torch.Tensor]:
+    """Pad samples into (B, T) input_ids, labels (-100 on pads) and attention_mask.
+
+    Rows longer than seq_len are cut to seq_len; fixed=True pads every row to seq_len (MiniMind's way),
+    else to the longest row of the batch (dynamic padding)."""
+    if not samples:
+        raise ValueError("pad_collate got an empty list of samples")
+    if fixed and seq_len is None:
+        raise ValueError("pad_collate(fixed=True) needs seq_len")
+    rows = [(s["input_ids"][:seq_len], s.get("labels", s["input_ids"])[:seq_len]) for s in samples]
+    length = seq_len if fixed else max(len(ids) for ids, _ in rows)
+    input_ids = torch.full((len(rows), length), int(pad_id), dtype=torch.long)
+    labels = torch.full((len(rows), length), IGNORE_INDEX, dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), length), dtype=torch.long)
+    for r, (ids, lab) in enumerate(rows):
+        input_ids[r, :len(ids)] = torch.as_tensor(ids)
+        labels[r, :len(ids)] = torch.as_tensor(lab)
+        attention_mask[r, :len(ids)] = 1
+    return {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}
 
 
 def padding_fraction_of(lengths: Iterable[int], batch_size: int, max_length: int | None = None) -> float:

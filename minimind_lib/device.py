@@ -116,6 +116,15 @@ def describe(profile: Profile | None = None, device: torch.device | None = None)
     return f"{device.type} ({device_name(device)}), profile={profile.name}, torch {torch.__version__.split('+')[0]}"
 
 
+def synchronize(device: torch.device | str) -> None:
+    """Wait for the device's queued kernels (GPUs run asynchronously: time only after this)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
 def memory_fraction_for(target_bytes: int, total_bytes: int) -> float:
     """The fraction of a device's memory that leaves `target_bytes` usable (for set_per_process_memory_fraction)."""
     if target_bytes <= 0 or total_bytes <= 0:

@@ -200,7 +200,7 @@ def world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-def _all_reduce_sum(value: float | int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+def all_reduce_sum(value: float | int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """Sum a number over all ranks (a tensor on `device`: NCCL needs CUDA tensors, gloo takes CPU ones)."""
     import torch.distributed as dist
 
@@ -217,7 +217,7 @@ def step_token_count(micro_batches: Sequence[dict], device: torch.device | str |
     """
     n = sum(batch_token_count(mb["labels"]) for mb in micro_batches)
     if world_size() > 1:
-        n = int(_all_reduce_sum(n, torch.device(device or "cpu"), torch.long))
+        n = int(all_reduce_sum(n, torch.device(device or "cpu"), torch.long))
     return n
 
 
@@ -295,7 +295,7 @@ def accumulate_step(model: nn.Module, micro_batches: Sequence[dict], *, amp_dtyp
         rows += mb["input_ids"].shape[0]
         padded += mb["input_ids"].numel()
     if world > 1:  # the logged loss is the step's global token mean
-        loss_sum = _all_reduce_sum(float(loss_sum), device, torch.float64)
+        loss_sum = all_reduce_sum(float(loss_sum), device, torch.float64)
     loss_sum_f = float(loss_sum)  # one device sync per step
     return {"loss_sum": loss_sum_f, "n_tokens": int(n_tokens_total), "loss": loss_sum_f / n_tokens_total,
             "micro_batches": k, "rows": rows, "padded_tokens": padded}

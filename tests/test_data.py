@@ -400,8 +400,8 @@ def _samples(lengths):
 
 def test_pad_to_max_length_and_longest():
     batch = _samples([3, 5, 2])
-    fixed = D.pad_to_max_length(batch, 8, pad_id=0)
-    longest = D.pad_to_longest(batch, pad_id=0)
+    fixed = D.pad_collate(batch, pad_id=0, seq_len=8, fixed=True)
+    longest = D.pad_collate(batch, pad_id=0)
     assert fixed["input_ids"].shape == (3, 8) and longest["input_ids"].shape == (3, 5)
     for out in (fixed, longest):
         assert set(out) == {"input_ids", "labels", "attention_mask"}
@@ -409,12 +409,11 @@ def test_pad_to_max_length_and_longest():
         assert out["attention_mask"].sum(1).tolist() == [3, 5, 2]
         assert (out["labels"][out["attention_mask"] == 0] == -100).all()
         assert (out["input_ids"][out["attention_mask"] == 0] == 0).all()
-    assert D.padding_fraction(fixed) == pytest.approx(1 - 10 / 24)
-    assert D.padding_fraction(longest) == pytest.approx(1 - 10 / 15)
-    assert D.trained_tokens(longest) == 2 + 4 + 1
-    assert D.pad_to_longest(batch, pad_to_multiple_of=4)["input_ids"].shape == (3, 8)
-    assert D.padding_fraction_of([3, 5, 2], batch_size=3) == pytest.approx(D.padding_fraction(longest))
-    assert D.padding_fraction_of([3, 5, 2], batch_size=3, max_length=8) == pytest.approx(D.padding_fraction(fixed))
+    assert D.padding_fraction([[3, 5, 2]], seq_len=8) == pytest.approx(1 - 10 / 24)
+    assert D.padding_fraction([[3, 5, 2]]) == pytest.approx(1 - 10 / 15)
+    assert D.padding_fraction([[3, 5], [2]]) == pytest.approx(1 - 10 / 12)
+    assert D.trained_tokens(longest["labels"]) == 2 + 4 + 1
+    assert D.pad_collate(batch, seq_len=4)["input_ids"].shape == (3, 4)  # rows cut to seq_len
 
 
 def test_collator_errors():
