@@ -96,7 +96,7 @@ class BPE:
         self.merges, self.vocab = merges, vocab
 
     @classmethod
-    def train(cls, texts: str | Iterable[str], vocab_size: int) -> BPE:
+    def train(cls, texts: str | Iterable[str], vocab_size: int) -> "BPE":
         """Train on one string or several (each one a word of its own)."""
         return cls(*train([texts] if isinstance(texts, str) else texts, vocab_size))
 
