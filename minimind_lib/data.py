@@ -37,10 +37,9 @@ import torch
 from torch.utils.data import Dataset
 
 from .fileio import atomic_write_bytes
-from .tokenizer import check_vocab  # refuses a tokenizer/model vocab mismatch (owned by tokenizer.py)
+from .tokenizer import ROLES, check_vocab  # the chat roles; refuses a tokenizer/model vocab mismatch
 
 IGNORE_INDEX = -100  # the label of a position whose next token is not trained (PyTorch CE ignore_index)
-ROLES = ("system", "user", "assistant")
 KINDS = ("pretrain", "sft")
 ON_ERROR = ("raise", "skip")
 LONG_DOCS = ("truncate", "chunk")  # what a pretrain dataset does with a document longer than seq_len

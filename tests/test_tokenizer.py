@@ -1,5 +1,6 @@
 """The 6400-token MiniMind tokenizer: special ids, round trips, chat template, save/load, MiniMind's layout, errors."""
 
+import importlib.util
 import json
 import os
 import shutil
@@ -10,10 +11,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minimind_lib.paths import ASSETS_DIR, DATA_DIR
-from minimind_lib.tokenizer import (
-    CHAT_TEMPLATE, SPECIAL_TOKENS, Tokenizer, check_vocab, iter_jsonl_texts, load_tokenizer, main, train_from_jsonl,
-)
+from minimind_lib import data
+from minimind_lib.paths import ASSETS_DIR, DATA_DIR, REPO_DIR
+from minimind_lib.tokenizer import CHAT_TEMPLATE, ROLES, SPECIAL_TOKENS, Tokenizer, check_vocab, load_tokenizer
+
+SCRIPT = REPO_DIR / "data" / "train_tokenizer.py"  # rebuilds the committed asset; not part of the library
+_spec = importlib.util.spec_from_file_location("train_tokenizer", SCRIPT)
+train_tokenizer = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(train_tokenizer)
 
 SMALL_CORPUS = [
     "To be, or not to be, that is the question.",
@@ -188,6 +193,7 @@ def test_jinja_template_matches_python(tok):
     ([{"role": "robot", "content": "x"}], r"messages\[0\]\['role'\]='robot' is not one of"),
     ([{"role": "user", "content": "x"}, {"role": "system", "content": "y"}], r"messages\[1\] is a system message"),
     ([{"role": "user", "content": 3}], r"messages\[0\]\['content'\] must be str, got int"),
+    ([{"role": "user", "content": "a\ud800"}], r"messages\[0\]\['content'\] is not valid Unicode: .*lone surrogate"),
 ])
 def test_chat_template_bad_messages(tok, messages, match):
     with pytest.raises((ValueError, TypeError), match=match):
@@ -300,63 +306,69 @@ def test_train_refuses_impossible_sizes():
         Tokenizer.train(["tiny corpus"], vocab_size=6400)
 
 
-# ------------------------------------------------------------------ jsonl training data and the CLI
+# ------------------------------------------------------------------ data/train_tokenizer.py: jsonl texts and the CLI
+def test_roles_have_one_home():
+    assert data.ROLES is ROLES == ("system", "user", "assistant")
+
+
 def _write(path, lines):
     path.write_text("".join(l + "\n" for l in lines), encoding="utf-8")
     return path
 
 
-def test_iter_jsonl_texts_reads_pretrain_and_sft(tmp_path):
+def test_jsonl_texts_reads_pretrain_and_sft(tmp_path):
     pre = _write(tmp_path / "p.jsonl", ['{"text": "hello"}', "", '{"text": "world"}'])
     sft = _write(tmp_path / "s.jsonl", [json.dumps({"conversations": [{"role": "user", "content": "q"},
                                                                       {"role": "assistant", "content": "a"}]})])
     stats = {}
-    assert list(iter_jsonl_texts([pre, sft], stats=stats)) == ["hello", "world", "q", "a"]
+    assert list(train_tokenizer.jsonl_texts([pre, sft], stats=stats)) == ["hello", "world", "q", "a"]
     assert stats == {"lines": 3, "texts": 4, "chars": 12, "blank_lines": 1}
-    assert list(iter_jsonl_texts([pre], max_samples=1)) == ["hello"]
+    assert list(train_tokenizer.jsonl_texts([pre], max_samples=1)) == ["hello"]
 
 
 @pytest.mark.parametrize("line, match", [
-    ("{not json", r"bad\.jsonl:2: invalid JSON"),
+    ("{not json", r"bad\.jsonl:2: malformed JSON"),
     ('{"txt": "x"}', r"bad\.jsonl:2: expected a 'text' string or a 'conversations' list, got \['txt'\]"),
     ('{"conversations": [{"role": "user"}]}', r"bad\.jsonl:2: conversations\[0\] needs a string 'content'"),
     ("[1, 2]", r"bad\.jsonl:2: expected .* got list"),
 ])
-def test_iter_jsonl_texts_bad_lines(tmp_path, line, match):
+def test_jsonl_texts_bad_lines(tmp_path, line, match):
     bad = _write(tmp_path / "bad.jsonl", ['{"text": "fine"}', line])
     with pytest.raises(ValueError, match=match):
-        list(iter_jsonl_texts([bad]))
+        list(train_tokenizer.jsonl_texts([bad]))
 
 
-def test_iter_jsonl_missing_file(tmp_path):
-    with pytest.raises(FileNotFoundError, match="training data file .*missing.jsonl not found"):
-        list(iter_jsonl_texts([tmp_path / "missing.jsonl"]))
+def test_jsonl_texts_missing_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="jsonl file not found: .*missing.jsonl"):
+        list(train_tokenizer.jsonl_texts([tmp_path / "missing.jsonl"]))
 
 
-def test_cli_train_and_info(tmp_path, capsys):
-    data = _write(tmp_path / "p.jsonl", [json.dumps({"text": t}, ensure_ascii=False) for t in SMALL_CORPUS])
-    assert main(["train", "--data", str(data), "--out", str(tmp_path / "out"), "--vocab-size", "300"]) == 0
+def test_script_trains_saves_and_checks(tmp_path, capsys):
+    corpus = _write(tmp_path / "p.jsonl", [json.dumps({"text": t}, ensure_ascii=False) for t in SMALL_CORPUS])
+    args = ["--data", str(corpus), "--out", str(tmp_path / "out"), "--vocab-size", "300"]
+    assert train_tokenizer.main(args) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["vocab_size"] == 300 and report["lines"] == len(SMALL_CORPUS)
-    assert load_tokenizer(tmp_path / "out").vocab_size == 300
-    assert main(["info", str(tmp_path / "out")]) == 0
-    assert json.loads(capsys.readouterr().out)["special_ids"] == {t: i for i, t in enumerate(SPECIAL_TOKENS)}
+    assert load_tokenizer(tmp_path / "out").hf.to_str() == Tokenizer.train(SMALL_CORPUS, 300).hf.to_str()
+    assert train_tokenizer.main([*args, "--check"]) == 0  # retrained: identical
+    assert json.loads(capsys.readouterr().out)["identical"] == {"tokenizer.json": True, "tokenizer_config.json": True}
+    assert train_tokenizer.main([*args[:-1], "301", "--check"]) == 1  # another vocab size: not identical
 
 
-def test_cli_errors_exit_nonzero(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "minimind_lib.tokenizer", "train", "--data",
-                        str(tmp_path / "missing.jsonl"), "--out", str(tmp_path / "o")], capture_output=True, text=True)
-    assert r.returncode == 2 and "missing.jsonl not found" in r.stderr
+def test_script_errors_exit_nonzero(tmp_path):
+    r = subprocess.run([sys.executable, str(SCRIPT), "--data", str(tmp_path / "missing.jsonl"),
+                        "--out", str(tmp_path / "o")], capture_output=True, text=True)
+    assert r.returncode == 2 and "jsonl file not found" in r.stderr and "missing.jsonl" in r.stderr
 
 
 # ------------------------------------------------------------------ the asset is what data/ trains (slow)
 @pytest.mark.skipif(os.environ.get("MINIMIND_SLOW_TESTS") != "1",
-                    reason="retrains on all of data/ (~20 s on 2 cores); set MINIMIND_SLOW_TESTS=1")
+                    reason="retrains on all of data/ (seconds to tens of seconds); set MINIMIND_SLOW_TESTS=1")
 def test_asset_is_reproducible_from_data(tmp_path):
     files = [DATA_DIR / "pretrain.jsonl", DATA_DIR / "sft.jsonl"]
     if not all(f.is_file() for f in files):
         pytest.skip("data/ not built")
-    tok, _ = train_from_jsonl(files)
+    tok, _ = train_tokenizer.train(files)
     tok.save(tmp_path)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         assert (tmp_path / name).read_bytes() == (ASSETS_DIR / "tokenizer" / name).read_bytes(), name
