@@ -5,7 +5,7 @@
 JOB.json is one job or a list of jobs that share the process group. A training job trains a MiniMind model with
 the library's `distributed.fit_distributed` on real pretraining samples (data/pretrain.jsonl) or on synthetic ones
 (the tests), and every rank writes OUT/result_rank{r}.pt: its per-step losses, token counts, micro-batches, the
-gradient all-reduces DDP ran per step, the gradients of chosen steps, and copies of rank 0's checkpoints. A
+bytes DDP's gradient all-reduces sent per step, the gradients of chosen steps, and copies of rank 0's checkpoints. A
 "measure" job times one step's compute against DDP's communication instead. Run alone (no torchrun), a job is
 the one-process reference. Notebook 09 and tests/test_distributed.py launch it with `launch`.
 """
@@ -176,24 +176,25 @@ def build_job(spec: dict, info: D.DistInfo) -> tuple[torch.nn.Module, list[dict]
 
 
 def counting_allreduce_hook(state: dict, bucket):  # no annotation on bucket: DDP inspects the hook's signature
-    """DDP's own gradient averaging (divide by world size, all-reduce SUM), counting the calls in state["calls"]."""
-    state["calls"] += 1
+    """DDP's own gradient averaging (divide by world size, all-reduce SUM), adding the bytes it sends to
+    state["bytes"]. (Bytes, not calls: DDP regroups its buckets after the first backward, the bytes stay.)"""
     buf = bucket.buffer().div_(dist.get_world_size())
+    state["bytes"] += buf.numel() * buf.element_size()
     return dist.all_reduce(buf, op=dist.ReduceOp.SUM, async_op=True).get_future().then(lambda f: f.value()[0])
 
 
 def train_job(spec: dict, info: D.DistInfo, out_dir: Path) -> dict:
     """Train one job on this rank; the rank's per-step results (and captured gradients)."""
     model, _, sampler, cfg = build_job(spec, info)
-    capture, grads, snapshots, hook, calls = {int(s) for s in spec.get("capture_grads", [])}, {}, [], {"calls": 0}, []
+    capture, grads, snapshots, hook, sent = {int(s) for s in spec.get("capture_grads", [])}, {}, [], {"bytes": 0}, []
 
     def grab(step: int, m: torch.nn.Module) -> None:  # after the step's backward, before the optimizer
         if step in capture:
             grads[step] = {n: p.grad.detach().cpu().clone() for n, p in m.named_parameters() if p.grad is not None}
 
     def after_step(step: int, row: dict) -> None:
-        calls.append(hook["calls"])
-        hook["calls"] = 0
+        sent.append(hook["bytes"])
+        hook["bytes"] = 0
         # fit keeps one last.pt (and rewrites it at the end): keep a copy of each periodic one to resume from
         if info.is_main and cfg.ckpt_dir and "ckpt" in str(row.get("event", "")).split(";"):
             snapshots.append(shutil.copyfile(Path(cfg.ckpt_dir) / "last.pt", out_dir / f"ckpt_step{step + 1}.pt").name)
@@ -204,10 +205,11 @@ def train_job(spec: dict, info: D.DistInfo, out_dir: Path) -> dict:
         raise ValueError(f"job trained no step: resume_from={spec.get('resume_from')} is at max_steps={cfg.max_steps}?")
     return {"steps": df["step"].tolist(), "losses": df["loss"].tolist(), "tokens": df["tokens"].tolist(),
             "rank_tokens": df["rank_tokens"].tolist(), "rank_micro_batches": df["rank_micro_batches"].tolist(),
-            "allreduces": calls if info.distributed else [], "grads": grads, "snapshots": snapshots}
+            "allreduce_bytes": sent if info.distributed else [], "grads": grads, "snapshots": snapshots}
 
 
-def measure_comm_compute(model: torch.nn.Module, micro_batches: Sequence[dict], info: D.DistInfo, reps: int = 3) -> dict:
+def measure_comm_compute(model: torch.nn.Module, micro_batches: Sequence[dict], info: D.DistInfo,
+                         reps: int = 3) -> dict:
     """Median seconds of one step's forward+backward without communication (no_sync), of the same step with
     DDP's gradient all-reduce, and of a bare all-reduce of the gradient's size. Every rank runs the same load."""
     ddp, dev = D.wrap_ddp(model.to(info.device), info), info.device
@@ -241,8 +243,10 @@ def measure_job(spec: dict, info: D.DistInfo) -> list[dict]:
     m = spec["measure"]
     model, seq_len, rows = job_model(spec), int(m.get("seq_len", 32)), []
     for max_tokens in m["max_tokens"]:
-        mbs = [pad_collate(synthetic_samples(max(1, int(max_tokens) // seq_len), min_len=seq_len, max_len=seq_len,
-                                             seed=100 + j)) for j in range(int(m.get("micro_batches", 2)))]
+        rows_per_mb = max(1, int(max_tokens) // seq_len)  # full rows, every token trained
+        mbs = [pad_collate(synthetic_samples(rows_per_mb, min_len=seq_len, max_len=seq_len, seed=100 + j,
+                                             masked_frac=0))
+               for j in range(int(m.get("micro_batches", 2)))]
         rows.append({"max_tokens": int(max_tokens), **measure_comm_compute(model, mbs, info, int(m.get("reps", 3)))})
     return rows
 
