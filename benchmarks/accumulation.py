@@ -3,8 +3,7 @@
 `python -m benchmarks accumulation --json` prints grad_max_rel_err (k token-weighted micro-batches vs
 one batch of the same samples), naive_grad_max_rel_err (MiniMind's per-micro-batch mean / k), and the peak
 memory of one optimizer step without (peak_bytes_accum1) and with (peak_bytes_accumK) accumulation, on
-samples of data/ (varied lengths) when it exists, else on synthetic token ids of varied lengths.
-The helpers here are what notebook 04 imports.
+samples of data/pretrain.jsonl (varied lengths). Notebook 04 builds the same comparison in its own cells.
 """
 
 from __future__ import annotations
@@ -16,46 +15,16 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from minimind_lib.train import accumulate_step, build_optimizer, resolve_amp, TrainConfig
+from minimind_lib.data import pad_collate, trained_tokens
+from minimind_lib.device import get_device, synchronize
+from minimind_lib.memory import MemoryMeter
+from minimind_lib.model import MiniMindConfig, MiniMindForCausalLM
+from minimind_lib.paths import DATA_DIR
+from minimind_lib.profiles import get_profile
+from minimind_lib.tokenizer import load_tokenizer
+from minimind_lib.train import TrainConfig, accumulate_step, build_optimizer, resolve_amp
 
-
-def synthetic_samples(n: int, *, vocab_size: int = 6400, min_len: int = 8, max_len: int = 128,
-                      seed: int = 0) -> list[dict]:
-    """`n` pretrain-style samples of random token ids with lengths spread over [min_len, max_len]."""
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n):
-        length = int(torch.randint(min_len, max_len + 1, (1,), generator=g))
-        ids = torch.randint(3, vocab_size, (length,), generator=g)
-        out.append({"input_ids": ids, "labels": ids.clone()})
-    return out
-
-
-def load_samples(profile, n: int, *, seed: int = 0) -> tuple[list[dict], str]:
-    """`n` pretrain samples drawn at random (seeded) from data/pretrain.jsonl, else synthetic ones.
-
-    Drawn from a pool of 8n so that lengths vary (a contiguous run of long documents would all be cut to
-    profile.seq_len). Returns (samples, source) where source names the file or says "synthetic".
-    """
-    from minimind_lib.paths import ASSETS_DIR, DATA_DIR
-
-    path = DATA_DIR / "pretrain.jsonl"
-    if path.is_file() and (ASSETS_DIR / "tokenizer" / "tokenizer.json").is_file():
-        from minimind_lib.data import PretrainDataset
-        from minimind_lib.tokenizer import load_tokenizer
-
-        ds = PretrainDataset(path, load_tokenizer(), profile.seq_len, max_samples=max(8 * n, 256))
-        if len(ds) >= n:
-            pick = torch.randperm(len(ds), generator=torch.Generator().manual_seed(seed))[:n]
-            return [ds[int(i)] for i in pick], f"data/{path.name}"
-    return synthetic_samples(n, max_len=profile.seq_len, seed=seed), "synthetic"
-
-
-def collate(samples: Sequence[dict]) -> dict:
-    """Pad samples to the longest row (data.pad_to_longest: pads get label -100 and attention_mask 0)."""
-    from minimind_lib.data import pad_to_longest
-
-    return pad_to_longest(list(samples), pad_id=0)
+from .throughput import load_samples
 
 
 def split(samples: Sequence[dict], k: int) -> list[dict]:
@@ -63,7 +32,7 @@ def split(samples: Sequence[dict], k: int) -> list[dict]:
     if len(samples) % k:
         raise ValueError(f"{len(samples)} samples do not split into k={k} equal micro-batches")
     m = len(samples) // k
-    return [collate(samples[i * m:(i + 1) * m]) for i in range(k)]
+    return [pad_collate(samples[i * m:(i + 1) * m]) for i in range(k)]
 
 
 def gradients(model: nn.Module, micro_batches: Sequence[dict], *, normalization: str = "token",
@@ -88,8 +57,6 @@ def measure_step_peak(model: nn.Module, micro_batches: Sequence[dict], *, device
     Runs on a deep copy of `model` so the caller's weights stay untouched. With `warmup`, one step runs
     first so AdamW's states exist, as in every step of a real run but the first.
     """
-    from minimind_lib.memory import MemoryMeter
-
     device = torch.device(device)
     model = copy.deepcopy(model).to(device)
     opt = build_optimizer(model, TrainConfig(lr=1e-6, progress=False), device)
@@ -107,14 +74,12 @@ def measure_step_peak(model: nn.Module, micro_batches: Sequence[dict], *, device
 
     if warmup:
         step()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    synchronize(device)
     meter = MemoryMeter(device)
     with meter.track(model, opt):
         meter.reset_peak()
         step()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    synchronize(device)
     peak = meter.peak()
     del model, opt
     return int(peak)
@@ -122,10 +87,6 @@ def measure_step_peak(model: nn.Module, micro_batches: Sequence[dict], *, device
 
 def main(argv: list[str]) -> dict:
     """Run the benchmark; return its JSON-ready result."""
-    from minimind_lib.device import get_device
-    from minimind_lib.model import MiniMindConfig, MiniMindForCausalLM
-    from minimind_lib.profiles import get_profile
-
     ap = argparse.ArgumentParser(prog="python -m benchmarks accumulation")
     ap.add_argument("--profile", default=None, help="smoke | cpu | gpu (default: the selected profile)")
     ap.add_argument("--device", default=None, help="cpu | cuda | mps (default: the best available)")
@@ -135,8 +96,6 @@ def main(argv: list[str]) -> dict:
     args = ap.parse_args(argv)
 
     profile = get_profile(args.profile)
-    if profile.num_threads:
-        torch.set_num_threads(profile.num_threads)
     device = get_device(args.device)
     k = args.k or profile.accum_steps
     batch = args.batch or profile.batch_size
@@ -145,14 +104,16 @@ def main(argv: list[str]) -> dict:
     torch.manual_seed(args.seed)
     config = MiniMindConfig.preset(profile.model)
     model = MiniMindForCausalLM(config).to(device)
-    samples, source = load_samples(profile, batch, seed=args.seed)
-    big = [collate(samples)]
+    # drawn from a pool of 8 x batch documents, so that lengths vary (a run of long documents would all be cut)
+    samples, info = load_samples(DATA_DIR / "pretrain.jsonl", load_tokenizer(), profile.seq_len, batch,
+                                 max_samples=max(8 * batch, 256), seed=args.seed)
+    big = [pad_collate(samples)]
     micro = split(samples, k)
 
     g_big = gradients(model, big, device=device)
     g_tok = gradients(model, micro, device=device)
     g_naive = gradients(model, micro, device=device, normalization="naive")
-    tokens_per_micro = [int((mb["labels"][:, 1:] != -100).sum()) for mb in micro]
+    tokens_per_micro = [trained_tokens(mb["labels"]) for mb in micro]
 
     peak1 = measure_step_peak(model, big, device=device)
     peakk = measure_step_peak(model, micro, device=device)
@@ -169,7 +130,7 @@ def main(argv: list[str]) -> dict:
         "tokens_per_micro_batch": tokens_per_micro,
         "sample_len_min": min(lengths),
         "sample_len_max": max(lengths),
-        "data": source,
+        "data": info["data"],
         "device": device.type,
         "profile": profile.name,
         "config": config.to_dict(),

@@ -34,7 +34,7 @@ from typing import Sequence
 import torch
 import torch.nn as nn
 
-IGNORE_INDEX = -100
+from minimind_lib.data import IGNORE_INDEX
 
 
 def get_lr(current_step: int, total_steps: int, lr: float) -> float:
@@ -61,11 +61,6 @@ def minimind_rows(samples: Sequence[dict], max_length: int, pad_id: int = 0) -> 
         ids[r, : len(x)] = x
         trained[r, : len(x)] = y != IGNORE_INDEX
     return {"X": ids[:, :-1].contiguous(), "Y": ids[:, 1:].contiguous(), "loss_mask": trained[:, 1:].long()}
-
-
-def trained_tokens(rows: dict[str, torch.Tensor]) -> int:
-    """Tokens a MiniMind row batch trains: loss_mask.sum()."""
-    return int(rows["loss_mask"].sum())
 
 
 @dataclass
@@ -134,4 +129,4 @@ class BaselineRecipe:
             )
         losses = [self.micro_step(mb) for mb in micro_batches]
         loss = float(torch.stack(losses).sum())  # one sync per step, as our loop does
-        return {"loss": loss, "n_tokens": sum(trained_tokens(mb) for mb in micro_batches)}
+        return {"loss": loss, "n_tokens": sum(int(mb["loss_mask"].sum()) for mb in micro_batches)}  # trained tokens

@@ -13,7 +13,7 @@ model (same initial weights for every strategy):
   between the peaks of the full and the quarter micro-batch; samples_lost adds the samples the sampler's
   epoch missed and those the controller lost (both must be 0).
 
-The helpers here are what notebook 06 imports. Times are compared only as ratios of the same run.
+Notebook 06 builds these strategies in its own cells. Times are compared only as ratios of the same run.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import copy
 import time
+from dataclasses import replace
 from typing import Any, Sequence
 
 import numpy as np
@@ -32,8 +33,15 @@ from minimind_lib.batching import (
     TokenBudgetBatchSampler,
     collate_packed,
     pack_sequences,
-    pad_collate,
 )
+from minimind_lib.data import PretrainDataset, SFTDataset, pad_collate, padding_fraction, trained_tokens
+from minimind_lib.device import describe, get_device, synchronize
+from minimind_lib.memory import MemoryMeter
+from minimind_lib.model import MiniMindConfig, MiniMindForCausalLM
+from minimind_lib.paths import DATA_DIR
+from minimind_lib.profiles import get_profile
+from minimind_lib.tokenizer import load_tokenizer
+from minimind_lib.train import TrainConfig, accumulate_step, build_optimizer, evaluate, fit, lr_at, resolve_amp
 
 STRATEGIES = ("fixed", "longest", "token_budget", "packed")
 
@@ -43,10 +51,6 @@ STRATEGIES = ("fixed", "longest", "token_budget", "packed")
 
 def load_dataset(kind: str, profile, tokenizer=None):
     """PretrainDataset or SFTDataset of data/ at profile.seq_len (profile.max_samples caps the samples read)."""
-    from minimind_lib.data import PretrainDataset, SFTDataset
-    from minimind_lib.paths import DATA_DIR
-    from minimind_lib.tokenizer import load_tokenizer
-
     tokenizer = tokenizer or load_tokenizer()
     if kind == "pretrain":
         return PretrainDataset(DATA_DIR / "pretrain.jsonl", tokenizer, profile.seq_len, max_samples=profile.max_samples)
@@ -60,14 +64,12 @@ def epoch_padding(lengths: np.ndarray, profile, seed: int = 0, samples: Sequence
     lengths = np.asarray(lengths, dtype=np.int64)
     n, bs, T = len(lengths), profile.batch_size, profile.seq_len
     perm = np.random.default_rng(seed).permutation(n)
-    real = int(lengths.sum())
-    fixed = 1.0 - real / (n * T)
-    padded_longest = sum(len(c) * int(lengths[c].max()) for c in np.array_split(perm, range(bs, n, bs)))
+    batches = [lengths[c].tolist() for c in np.array_split(perm, range(bs, n, bs))]
     sampler = TokenBudgetBatchSampler(lengths, profile.max_tokens, seed=seed, max_len=T)
     served = sorted(i for b in sampler for i in b)
     out = {
-        "fixed": fixed,
-        "longest": 1.0 - real / padded_longest,
+        "fixed": padding_fraction(batches, seq_len=T),
+        "longest": padding_fraction(batches),
         "token_budget": sampler.stats["padding_fraction"],
         "sampler_stats": sampler.stats,
         "sampler_samples_missed": n - len(set(served)) + (len(served) - len(set(served))),
@@ -85,18 +87,11 @@ def strategy_batches(dataset, profile, n_batches: int, seed: int = 0) -> dict[st
     perm = np.random.default_rng(seed).permutation(n)
     chunks = [perm[i : i + bs] for i in range(0, n, bs)][:n_batches]
     out: dict[str, list[dict]] = {
-        "fixed": [pad_collate([dataset[int(i)] for i in c], max_len=T) for c in chunks],
-        "longest": [pad_collate([dataset[int(i)] for i in c]) for c in chunks],
+        "fixed": [pad_collate([dataset[int(i)] for i in c], seq_len=T, fixed=True) for c in chunks],
+        "longest": [pad_collate([dataset[int(i)] for i in c], seq_len=T) for c in chunks],
     }
-    # pad_collate pads to the longest row; fixed max-length padding pads every row to seq_len:
-    for b in out["fixed"]:
-        pad = T - b["input_ids"].shape[1]
-        if pad:
-            b["input_ids"] = torch.nn.functional.pad(b["input_ids"], (0, pad), value=0)
-            b["labels"] = torch.nn.functional.pad(b["labels"], (0, pad), value=-100)
-            b["attention_mask"] = torch.nn.functional.pad(b["attention_mask"], (0, pad), value=0)
     sampler = TokenBudgetBatchSampler(dataset.lengths, profile.max_tokens, seed=seed, max_len=T)
-    out["token_budget"] = [pad_collate([dataset[i] for i in b], max_len=T) for b in sampler.batches()[:n_batches]]
+    out["token_budget"] = [pad_collate([dataset[i] for i in b], seq_len=T) for b in sampler.batches()[:n_batches]]
     rows_per_batch = max(1, profile.max_tokens // T)
     need = n_batches * rows_per_batch * T  # enough documents to fill n_batches packed micro-batches
     docs, total = [], 0
@@ -116,16 +111,9 @@ def strategy_batches(dataset, profile, n_batches: int, seed: int = 0) -> dict[st
 # --------------------------------------------------------------------------------------------- timing
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def time_strategies(model: torch.nn.Module, batches: dict[str, list[dict]], device: torch.device,
                     lr: float = 1e-3, warmup: int = 1) -> dict[str, dict]:
     """Useful tokens/s of forward+backward+AdamW per strategy, round-robin, from identical initial weights."""
-    from minimind_lib.train import TrainConfig, accumulate_step, batch_token_count, build_optimizer, resolve_amp
-
     amp = resolve_amp("auto", device)
     runs = {}
     for name in batches:
@@ -136,19 +124,19 @@ def time_strategies(model: torch.nn.Module, batches: dict[str, list[dict]], devi
     for k in range(n):
         for name, blist in batches.items():
             r, batch = runs[name], blist[k]
-            _sync(device)
+            synchronize(device)
             t0 = time.perf_counter()
             stats = accumulate_step(r["model"], [batch], amp_dtype=amp.dtype, device=device)
             r["opt"].step()
             r["opt"].zero_grad(set_to_none=True)
-            _sync(device)
+            synchronize(device)
             dt = time.perf_counter() - t0
             r["losses"].append(stats["loss"])
-            r["tokens"].append(batch_token_count(batch["labels"]))
+            r["tokens"].append(trained_tokens(batch["labels"]))
             r["times"].append(dt)
             if k >= warmup:  # the first batch pays one-off allocation costs
                 r["time"] += dt
-                r["useful"] += batch_token_count(batch["labels"])
+                r["useful"] += trained_tokens(batch["labels"])
                 r["padded"] += batch["input_ids"].numel()
                 real = batch["doc_ids"] >= 0 if "doc_ids" in batch else batch["attention_mask"]
                 r["real"] += int(real.sum())
@@ -166,9 +154,6 @@ def time_strategies(model: torch.nn.Module, batches: dict[str, list[dict]], devi
 
 def memory_per_step(model: torch.nn.Module, batches: list[dict], device: torch.device) -> list[int]:
     """Peak bytes (MemoryMeter: CPU live tensors / CUDA allocator) of forward+backward of each batch."""
-    from minimind_lib.memory import MemoryMeter
-    from minimind_lib.train import accumulate_step
-
     m = copy.deepcopy(model).to(device).train()
     meter = MemoryMeter(device)
     peaks = []
@@ -185,17 +170,14 @@ def memory_per_step(model: torch.nn.Module, batches: list[dict], device: torch.d
 
 
 def controller_under_budget(model: torch.nn.Module, dataset, profile, device: torch.device, steps: int = 4,
-                            step_size: int | None = None, seed: int = 0, check_every: int = 2) -> dict:
+                            samples_per_step: int | None = None, seed: int = 0, check_every: int = 2) -> dict:
     """Train with AdaptiveBatchController under a budget between the peaks of full and quarter micro-batches.
 
     Returns the metrics frame of fit, the controller, the budget and the free-run peaks; the controller's
     recorded sample ids of successful attempts prove no sample was lost or repeated.
     """
-    from minimind_lib.memory import MemoryMeter
-    from minimind_lib.train import TrainConfig, fit
-
     mbs = profile.batch_size
-    step_size = step_size or mbs * 2
+    samples_per_step = samples_per_step or mbs * 2
     indexed = _Indexed(dataset)
 
     def collate(b):
@@ -219,7 +201,7 @@ def controller_under_budget(model: torch.nn.Module, dataset, profile, device: to
         # 1e-4, which bf16's rounding of micro-batches of different sizes would not meet
         cfg = TrainConfig(max_steps=n_steps, lr=profile.lr, warmup_steps=1, progress=False, seed=seed, amp="off")
         try:
-            df = fit(m, StepSamples(indexed, step_size, seed=seed), cfg, device=device, controller=ctl)
+            df = fit(m, StepSamples(indexed, samples_per_step, seed=seed), cfg, device=device, controller=ctl)
         finally:
             meter.set_budget(None)  # on CUDA the fraction is process-wide: lift it again
         return df, ctl
@@ -228,7 +210,7 @@ def controller_under_budget(model: torch.nn.Module, dataset, profile, device: to
     free_quarter, _ = run(max(1, mbs // 4), None, 2)
     budget = int((free_full["peak_memory_bytes"].max() + free_quarter["peak_memory_bytes"].max()) / 2)
     df, ctl = run(mbs, budget, steps)
-    expected = StepSamples(indexed, step_size, seed=seed)
+    expected = StepSamples(indexed, samples_per_step, seed=seed)
     fed = [s["sid"] for k, st in enumerate(expected) if k < steps for s in st]
     return {
         "frame": df, "controller": ctl, "budget_bytes": budget,
@@ -279,11 +261,6 @@ def measure(kind: str, profile, model, device, n_batches: int, seed: int = 0, to
 
 def main(argv: list[str] | None = None) -> dict:
     """Run the batching benchmark and return its JSON-ready result."""
-    from minimind_lib.device import describe, get_device
-    from minimind_lib.model import MiniMindConfig, MiniMindForCausalLM
-    from minimind_lib.profiles import get_profile
-    from minimind_lib.tokenizer import load_tokenizer
-
     p = argparse.ArgumentParser(prog="python -m benchmarks batching", description=__doc__.splitlines()[0])
     p.add_argument("--profile", default=None, help="smoke | cpu | gpu (default: MINIMIND_PROFILE / auto)")
     p.add_argument("--data", default="pretrain", choices=["pretrain", "sft", "both"])
@@ -296,11 +273,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     profile = get_profile(args.profile)
     if args.max_samples:
-        from dataclasses import replace
-
         profile = replace(profile, max_samples=args.max_samples)
-    if args.threads or profile.num_threads:
-        torch.set_num_threads(args.threads or profile.num_threads)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = get_device()
     n_batches = args.batches or {"smoke": 3, "cpu": 10}.get(profile.name, 20)
     torch.manual_seed(args.seed)
@@ -354,8 +329,6 @@ def warmup_experiment(model: torch.nn.Module, dataset, val_batches: list[dict], 
 
     Same initial weights, same sampler seed: the only difference is the order of the first `warmup_batches`.
     """
-    from minimind_lib.train import TrainConfig, accumulate_step, build_optimizer, evaluate, lr_at
-
     out = {}
     for name, wb in (("shuffled", 0), ("shorter_first", warmup_batches)):
         m = copy.deepcopy(model).to(device).train()
@@ -367,7 +340,7 @@ def warmup_experiment(model: torch.nn.Module, dataset, val_batches: list[dict], 
             for g in opt.param_groups:
                 g["lr"] = lr_at(step, lr=profile.lr, min_lr=profile.lr / 10, warmup_steps=max(1, n_steps // 10),
                                 max_steps=n_steps)
-            batch = pad_collate([dataset[i] for i in idx], max_len=profile.seq_len)
+            batch = pad_collate([dataset[i] for i in idx], seq_len=profile.seq_len)
             losses.append(accumulate_step(m, [batch], device=device)["loss"])
             longest.append(int(batch["input_ids"].shape[1]))
             torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)

@@ -19,6 +19,13 @@ import tempfile
 import time
 
 import numpy as np
+import torch
+
+from minimind_lib.data import PretrainDataset, tokenize_to_memmap
+from minimind_lib.device import get_device
+from minimind_lib.paths import DATA_DIR
+from minimind_lib.profiles import get_profile
+from minimind_lib.tokenizer import load_tokenizer
 
 
 def _status_kb(field: str) -> int | None:
@@ -60,12 +67,7 @@ def _read(ds, order) -> tuple[int, float, float]:
 def _child(side: str, args: dict, queue) -> None:
     """Run one side of the benchmark in a fresh process and put its figures on `queue`."""
     try:
-        import torch
-
         torch.set_num_threads(1)
-        from minimind_lib.data import PretrainDataset, tokenize_to_memmap
-        from minimind_lib.tokenizer import load_tokenizer
-
         tok = load_tokenizer(args["tokenizer"])
         base_anon = _anon_mb()
         out: dict = {}
@@ -93,6 +95,7 @@ def _child(side: str, args: dict, queue) -> None:
 
 
 def _run_side(side: str, args: dict) -> dict:
+    """One side in a fresh spawned interpreter: its peak RSS cannot include the other side's."""
     ctx = mp.get_context("spawn")  # a fresh interpreter: peak RSS of one side cannot include the other's
     queue = ctx.Queue()
     proc = ctx.Process(target=_child, args=(side, args, queue))
@@ -106,10 +109,6 @@ def _run_side(side: str, args: dict) -> dict:
 
 def main(argv: list[str]) -> dict:
     """Measure both sides and return one JSON-ready dict."""
-    from minimind_lib.device import get_device
-    from minimind_lib.paths import DATA_DIR
-    from minimind_lib.profiles import get_profile
-
     p = argparse.ArgumentParser(prog="python -m benchmarks memmap", description=__doc__.split("\n")[0])
     p.add_argument("--data", default=str(DATA_DIR / "pretrain.jsonl"), help="a pretrain jsonl file")
     p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the bundled one)")

@@ -39,9 +39,11 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import gc
 import importlib.util
 import math
+import os
 import shutil
 import statistics
 import time
@@ -53,8 +55,21 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.checkpoint import checkpoint
+from torch.utils.data import DataLoader
 
-IGNORE_INDEX = -100
+from minimind_lib.batching import TokenBudgetBatchSampler, collate_packed, pack_sequences
+from minimind_lib.data import IGNORE_INDEX, PretrainDataset, pad_collate, trained_tokens
+from minimind_lib.device import device_name, get_device, synchronize
+from minimind_lib.memory import MemoryMeter
+from minimind_lib.model import MiniMindConfig, MiniMindForCausalLM, count_parameters, lm_loss
+from minimind_lib.paths import DATA_DIR
+from minimind_lib.profiles import get_profile
+from minimind_lib.tokenizer import load_tokenizer
+from minimind_lib.train import TrainConfig, accumulate_step, build_optimizer, lr_at, make_scaler, resolve_amp
+
+from .baseline import BaselineRecipe, minimind_rows
 STRATEGIES = ("budget", "pack")
 LEVERS = ("fused_adamw", "sdpa_backend", "chunked_cross_entropy", "activation_checkpointing", "torch_compile",
           "pinned_memory", "dataloader_workers")
@@ -86,7 +101,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--only", nargs="*", default=None, metavar="LEVER", help=f"with --levers: only these of {list(LEVERS)}")
     p.add_argument("--data", default=None, help="pretrain jsonl (default: data/pretrain.jsonl)")
     p.add_argument("--max-samples", type=int, default=None, help="lines read from the jsonl (default: profile.max_samples)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: profile or torch's)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--device", default=None, help="cpu / cuda / mps (default: best available)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-memory", action="store_true", help="skip the (untimed) peak-memory step")
@@ -106,14 +121,14 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 # --------------------------------------------------------------------------------------------- data
 
 
-def load_samples(path: Path, tokenizer, seq_len: int, n_needed: int, max_samples: int | None, seed: int):
-    """`n_needed` pretrain samples ({"input_ids", "labels"}, truncated to seq_len), a seeded draw from the file.
+def load_samples(path: str | Path, tokenizer, seq_len: int, n: int, *, max_samples: int | None = None,
+                 seed: int = 0) -> tuple[list[dict], dict]:
+    """`n` pretrain samples ({"input_ids", "labels"}, cut to seq_len): a seeded draw from the file's first max_samples.
 
-    If the file has fewer samples than needed, it is cycled (a fresh permutation per pass); the
-    returned info says how many distinct samples there were and how many passes it took.
+    If the file has fewer samples than needed, it is cycled (a fresh permutation per pass); the returned info
+    names the file and says how many distinct samples there were and how many passes it took. (The benchmarks'
+    one sample loader: accumulation uses it too.)
     """
-    from minimind_lib.data import PretrainDataset
-
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"pretrain data not found: {path} (build it with data/build_corpus.py or pass --data)")
@@ -123,34 +138,38 @@ def load_samples(path: Path, tokenizer, seq_len: int, n_needed: int, max_samples
     rng = np.random.default_rng(seed)
     order: list[int] = []
     passes = 0
-    while len(order) < n_needed:
+    while len(order) < n:
         order.extend(rng.permutation(len(ds)).tolist())
         passes += 1
-    samples = [ds[i] for i in order[:n_needed]]
     info = {"data": str(path), "distinct_samples": len(ds), "passes": passes,
             "truncated_in_file": int(ds.stats.n_truncated)}
-    return samples, info
+    return [ds[i] for i in order[:n]], info
 
 
-def step_token_count(micro_batches: Sequence[dict], key: str = "labels") -> int:
-    """Trained tokens of a step's collated micro-batches (ours: labels; baseline: loss_mask)."""
-    if key == "loss_mask":
-        return sum(int(mb["loss_mask"].sum()) for mb in micro_batches)
-    return sum(int((mb["labels"][:, 1:] != IGNORE_INDEX).sum()) for mb in micro_batches)
+def micro_batch_tokens(micro_batches: Sequence[dict]) -> int:
+    """Trained tokens of a step's collated micro-batches: data.trained_tokens of each (MiniMind rows: loss_mask)."""
+    return sum(int(mb["loss_mask"].sum()) if "loss_mask" in mb else trained_tokens(mb["labels"])
+               for mb in micro_batches)
+
+
+def _pad_to_multiple(mb: dict, multiple: int | None, pad_id: int) -> dict:
+    """Right-pad a collated micro-batch's rows to a multiple of `multiple` tokens (pads: label -100, mask 0)."""
+    extra = -mb["input_ids"].shape[1] % multiple if multiple else 0
+    if not extra:
+        return mb
+    fill = {"input_ids": pad_id, "labels": IGNORE_INDEX, "attention_mask": 0}
+    return {k: F.pad(v, (0, extra), value=fill[k]) for k, v in mb.items()}
 
 
 def ours_micro_batches(samples: Sequence[dict], seq_len: int, max_tokens: int, strategy: str, pad_id: int,
                        pad_multiple: int | None = None) -> list[dict]:
     """Our micro-batches of one optimizer step's samples: token-budget groups or packed rows."""
-    from minimind_lib.batching import TokenBudgetBatchSampler, collate_packed, pack_sequences
-    from minimind_lib.data import pad_to_longest
-
     if strategy == "budget":
         lengths = [int(s["input_ids"].numel()) for s in samples]
         sampler = TokenBudgetBatchSampler(lengths, max_tokens, shuffle=False, max_len=seq_len)
         out = []
         for idx in sampler.batches():
-            mb = pad_to_longest([samples[i] for i in idx], pad_id=pad_id, pad_to_multiple_of=pad_multiple)
+            mb = _pad_to_multiple(pad_collate([samples[i] for i in idx], pad_id, seq_len), pad_multiple, pad_id)
             # Right padding + causal attention: no real token can see a pad, and pads carry label -100, so the
             # padding mask changes nothing we train on; without it SDPA keeps its fast is_causal kernels.
             mb.pop("attention_mask")
@@ -172,8 +191,6 @@ def ours_micro_batches(samples: Sequence[dict], seq_len: int, max_tokens: int, s
 
 def baseline_micro_batches(samples: Sequence[dict], seq_len: int, batch: int, pad_id: int) -> list[dict]:
     """MiniMind's micro-batches of one optimizer step: consecutive `batch` samples padded to seq_len."""
-    from .baseline import minimind_rows
-
     return [minimind_rows(samples[i:i + batch], seq_len, pad_id) for i in range(0, len(samples), batch)]
 
 
@@ -185,20 +202,13 @@ def model_flops_per_token(config, n_params: int, seq_len: int) -> int:
     return 6 * n_params + 12 * config.num_hidden_layers * config.hidden_size * seq_len
 
 
-def useful_flops(micro_batches: Sequence[dict], config, n_params: int, key: str = "labels") -> float:
+def useful_flops(micro_batches: Sequence[dict], config, n_params: int) -> float:
     """Sum over micro-batches of trained tokens x model_flops_per_token(row length of that micro-batch)."""
     total = 0.0
     for mb in micro_batches:
-        t = (mb["X"] if key == "loss_mask" else mb["input_ids"]).shape[1]
-        total += step_token_count([mb], key) * model_flops_per_token(config, n_params, t)
+        t = (mb["X"] if "loss_mask" in mb else mb["input_ids"]).shape[1]
+        total += micro_batch_tokens([mb]) * model_flops_per_token(config, n_params, t)
     return total
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elif device.type == "mps":
-        torch.mps.synchronize()
 
 
 def measure_matmul_peak(device: torch.device, dtype: torch.dtype, n: int | None = None, iters: int | None = None) -> float:
@@ -211,11 +221,11 @@ def measure_matmul_peak(device: torch.device, dtype: torch.dtype, n: int | None 
         a @ b
     best = math.inf
     for _ in range(3):
-        _sync(device)
+        synchronize(device)
         t0 = time.perf_counter()
         for _ in range(iters):
             a @ b
-        _sync(device)
+        synchronize(device)
         best = min(best, (time.perf_counter() - t0) / iters)
     del a, b
     return 2 * n**3 / best
@@ -237,8 +247,6 @@ def fused_adamw_supported(device: torch.device) -> bool:
 
 def make_optimizer(model: nn.Module, cfg, device: torch.device, fused: str = "auto") -> tuple[torch.optim.Optimizer, str]:
     """train.build_optimizer's AdamW (same groups and hyper-parameters), with the fused kernel where supported."""
-    from minimind_lib.train import build_optimizer
-
     opt = build_optimizer(model, cfg, device)
     want = fused == "on" or (fused == "auto" and fused_adamw_supported(device))
     is_fused = bool(opt.defaults.get("fused"))
@@ -258,8 +266,6 @@ class OursRecipe:
     """The library's recipe for one model: exact token-weighted accumulation, resolve_amp, AdamW, clipping."""
 
     def __init__(self, model: nn.Module, device: torch.device, lr: float, total_steps: int, fused: str = "auto"):
-        from minimind_lib.train import TrainConfig, make_scaler, resolve_amp
-
         self.model, self.device = model, device
         self.cfg = TrainConfig(lr=lr, max_steps=max(1, total_steps), warmup_steps=1, progress=False)
         self.amp = resolve_amp(self.cfg.amp, device)
@@ -270,8 +276,6 @@ class OursRecipe:
 
     def train_step(self, micro_batches: Sequence[dict]) -> dict:
         """One optimizer step over the micro-batches (what train.fit does per step, minus logging)."""
-        from minimind_lib.train import accumulate_step, lr_at
-
         lr = lr_at(self.step, lr=self.cfg.lr, min_lr=self.cfg.min_lr, warmup_steps=self.cfg.warmup_steps,
                    max_steps=self.cfg.max_steps)
         for g in self.optimizer.param_groups:
@@ -314,8 +318,6 @@ def try_compile(model: nn.Module, device: torch.device, dynamic: bool | None = N
 
 def peak_memory_of(fn: Callable[[], object], device: torch.device, *tracked) -> int:
     """Peak bytes while fn() runs: CUDA allocator peak, or MemoryMeter's live-tensor peak on CPU (untimed)."""
-    from minimind_lib.memory import MemoryMeter
-
     gc.collect()
     meter = MemoryMeter(device)
     if device.type == "cuda":
@@ -338,16 +340,9 @@ def peak_memory_of(fn: Callable[[], object], device: torch.device, *tracked) -> 
 
 def _setup(args: argparse.Namespace):
     """Profile, device, config, tokenizer, samples grouped per step, and both recipes' micro-batches."""
-    from minimind_lib.device import get_device
-    from minimind_lib.model import MiniMindConfig
-    from minimind_lib.paths import DATA_DIR
-    from minimind_lib.profiles import get_profile
-    from minimind_lib.tokenizer import load_tokenizer
-
     profile = get_profile(args.profile)
-    threads = args.threads or profile.num_threads
-    if threads:
-        torch.set_num_threads(threads)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = get_device(args.device)
     preset = args.config or profile.model
     config = MiniMindConfig.preset(preset)
@@ -363,13 +358,13 @@ def _setup(args: argparse.Namespace):
     per_step = batch * accum
     data = Path(args.data) if args.data else DATA_DIR / "pretrain.jsonl"
     max_samples = args.max_samples if args.max_samples is not None else profile.max_samples
-    samples, data_info = load_samples(data, tok, seq, per_step * args.steps, max_samples, args.seed)
+    samples, data_info = load_samples(data, tok, seq, per_step * args.steps, max_samples=max_samples, seed=args.seed)
     groups = [samples[i * per_step:(i + 1) * per_step] for i in range(args.steps)]
     pad_multiple = 8 if device.type == "cuda" else None  # tensor cores like multiples of 8; a CPU does not care
     ours = [ours_micro_batches(g, seq, max_tokens, args.strategy, tok.pad_token_id, pad_multiple) for g in groups]
     base = [baseline_micro_batches(g, seq, batch, tok.pad_token_id) for g in groups]
     for i, (o, b) in enumerate(zip(ours, base)):
-        n_o, n_b = step_token_count(o), step_token_count(b, "loss_mask")
+        n_o, n_b = micro_batch_tokens(o), micro_batch_tokens(b)
         if args.strategy == "budget" and n_o != n_b:  # same samples, same shift: must train the same tokens
             raise RuntimeError(f"step {i}: ours trains {n_o} tokens, the baseline {n_b}; the batching lost tokens")
     return dict(profile=profile, device=device, preset=preset, config=config, seq=seq, batch=batch, accum=accum,
@@ -377,17 +372,15 @@ def _setup(args: argparse.Namespace):
 
 
 def _new_model(config, device: torch.device, seed: int) -> nn.Module:
-    from minimind_lib.model import MiniMindForCausalLM
-
     torch.manual_seed(seed)
     return MiniMindForCausalLM(config).to(device).train()
 
 
 def _timed(fn: Callable[[], object], device: torch.device) -> float:
-    _sync(device)
+    synchronize(device)
     t0 = time.perf_counter()
     fn()
-    _sync(device)
+    synchronize(device)
     return time.perf_counter() - t0
 
 
@@ -396,10 +389,6 @@ def _timed(fn: Callable[[], object], device: torch.device) -> float:
 
 def run_throughput(args: argparse.Namespace) -> dict:
     """Time our recipe (and with --baseline MiniMind's) on the same samples; tokens/s, FLOPs, memory."""
-    from .baseline import BaselineRecipe
-    from minimind_lib.device import device_name
-    from minimind_lib.model import count_parameters
-
     s = _setup(args)
     device, config = s["device"], s["config"]
     profile = s["profile"]
@@ -454,7 +443,7 @@ def run_throughput(args: argparse.Namespace) -> dict:
         for name, fn in order:
             (times_ours if name == "ours" else times_base).append(_timed(fn, device))
 
-    tokens = sum(step_token_count(m) for m in s["ours"])
+    tokens = sum(micro_batch_tokens(m) for m in s["ours"])
     padded = sum(mb["input_ids"].numel() for m in s["ours"] for mb in m)
     t_ours = statistics.median(times_ours)
     flops = sum(useful_flops(m, config, n_params) for m in s["ours"])
@@ -489,8 +478,8 @@ def run_throughput(args: argparse.Namespace) -> dict:
     }
     if baseline is not None:
         t_base = statistics.median(times_base)
-        base_tokens = sum(step_token_count(m, "loss_mask") for m in s["base"])
-        base_flops = sum(useful_flops(m, config, n_params, "loss_mask") for m in s["base"])
+        base_tokens = sum(micro_batch_tokens(m) for m in s["base"])
+        base_flops = sum(useful_flops(m, config, n_params) for m in s["base"])
         # Each repeat times the two recipes back to back, so its ratio sees the same machine load; the
         # median of those paired ratios is the headline (robust to load drift between repeats).
         paired = [(tokens / to) / (base_tokens / tb) for to, tb in zip(times_ours, times_base)]
@@ -534,8 +523,6 @@ def chunked_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Te
         raise ValueError(f"reduction must be 'sum' or 'mean', got {reduction!r}")
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens={chunk_tokens} must be >= 1")
-    from torch.utils.checkpoint import checkpoint
-
     h = hidden[:, :-1].reshape(-1, hidden.shape[-1])
     y = labels[:, 1:].reshape(-1)
     keep = (y != IGNORE_INDEX).nonzero().squeeze(1)
@@ -556,8 +543,6 @@ def enable_activation_checkpointing(model: nn.Module, n_layers: int | None = Non
 
     The block's forward is wrapped on the instance, so parameter names (and checkpoints) do not change.
     """
-    from torch.utils.checkpoint import checkpoint
-
     layers = model.model.layers
     n = len(layers) if n_layers is None else max(0, min(int(n_layers), len(layers)))
     for layer in list(layers)[:n]:
@@ -587,8 +572,6 @@ def _alternate(fns: dict[str, Callable[[], object]], device: torch.device, repea
 
 def _fwd_bwd(model: nn.Module, mb: dict, amp_dtype, device: torch.device, loss_fn=None) -> Callable[[], None]:
     """A closure: forward + sum-loss + backward on one micro-batch, grads dropped afterwards."""
-    from minimind_lib.model import lm_loss
-
     mb = {k: v.to(device) for k, v in mb.items()}
 
     def run() -> None:
@@ -604,13 +587,33 @@ def _fwd_bwd(model: nn.Module, mb: dict, amp_dtype, device: torch.device, loss_f
     return run
 
 
+def measure_dataloader(dataset, collate_fn, batch_size: int, num_workers: int = 0, epochs: int = 1,
+                       max_batches: int | None = None) -> dict:
+    """Samples/s of iterating a DataLoader `epochs` times, worker start-up included (as a training run pays it)."""
+    loader = DataLoader(dataset, batch_size=batch_size, shuffle=True, collate_fn=collate_fn, num_workers=num_workers,
+                        pin_memory=torch.cuda.is_available(), generator=torch.Generator().manual_seed(0))
+    # HF tokenizers warns (and disables itself) in a forked worker if TOKENIZERS_PARALLELISM is unset
+    old = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    n_samples, t0 = 0, time.perf_counter()
+    try:
+        for _ in range(epochs):
+            for k, batch in enumerate(loader):
+                n_samples += batch["input_ids"].shape[0]
+                if max_batches is not None and k + 1 >= max_batches:
+                    break
+    finally:
+        if old is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = old
+    seconds = time.perf_counter() - t0
+    return {"num_workers": num_workers, "samples": n_samples, "seconds": seconds,
+            "samples_per_s": n_samples / seconds if seconds > 0 else float("nan")}
+
+
 def run_levers(args: argparse.Namespace) -> dict:
     """Each lever as a ratio measured in this process (alternating repeats), with peak memory where it matters."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    from minimind_lib.device import device_name
-    from minimind_lib.train import resolve_amp
-
     s = _setup(args)
     device, config, profile = s["device"], s["config"], s["profile"]
     amp = resolve_amp("auto", device)
@@ -695,7 +698,6 @@ def run_levers(args: argparse.Namespace) -> dict:
 
         with torch.no_grad():
             dev_mb = {k: v.to(device) for k, v in full_mb.items()}
-            from minimind_lib.model import lm_loss
             with torch.autocast(device.type, dtype=dt, enabled=dt is not None):
                 ref = float(lm_loss(model(dev_mb["input_ids"]).logits, dev_mb["labels"], reduction="sum"))
                 got = float(chunked_loss(model, dev_mb))
@@ -767,12 +769,9 @@ def run_levers(args: argparse.Namespace) -> dict:
 
     # 7. DataLoader workers: MiniMind-style lazy tokenization in __getitem__, 0 vs 2 workers, vs training speed.
     if want("dataloader_workers"):
-        from minimind_lib.data import PretrainDataset, make_collator, measure_dataloader
-        from minimind_lib.paths import DATA_DIR
-
         data = Path(args.data) if args.data else DATA_DIR / "pretrain.jsonl"
         lazy = PretrainDataset(data, s["tok"], s["seq"], max_samples=min(2000, args.max_samples or 2000), lazy=True)
-        collate = make_collator("max_length", s["tok"].pad_token_id, s["seq"])
+        collate = functools.partial(pad_collate, pad_id=s["tok"].pad_token_id, seq_len=s["seq"], fixed=True)
         n_batches = max(2, min(20, len(lazy) // s["batch"]))
         loader = {w: measure_dataloader(lazy, collate, s["batch"], num_workers=w, epochs=1, max_batches=n_batches)
                   for w in (0, 2)}

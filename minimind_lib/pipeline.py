@@ -452,8 +452,8 @@ def _run_impl(stage: str, *, dinfo, data, out, profile, config, max_tokens, accu
         if max_tokens < seq_len:
             _loader(ds, max_tokens, seq_len, tok.pad_token_id, seed=seed)  # raises its RunError
         # The same token-budget micro-batches as _loader (same seed), `accum` per global step, dealt to the ranks.
-        loader = D.distributed_step_source(ds, max_tokens, accum, max_len=seq_len, seed=seed, info=dinfo)
-        sampler = loader.step_sampler.base
+        loader = D.distributed_step_source(ds, max_tokens, accum, seq_len=seq_len, seed=seed, info=dinfo)
+        sampler = loader.base
     run_cfg["data_stats"] = {**ds.stats.to_dict(), "batches_per_epoch": len(sampler)} if hasattr(ds, "stats") else None
 
     torch.manual_seed(seed)  # the same seed, the same initial weights
@@ -542,10 +542,7 @@ def _run_impl(stage: str, *, dinfo, data, out, profile, config, max_tokens, accu
         df = fit(model, loader, cfg, device=device, val_batches=val_list, callbacks=[hooks], meter=meter,
                  resume_from=out / STATE_FILE if resume else None)
     else:
-        from .data import make_collator
-
-        df = D.fit_distributed(model, loader, cfg, info=dinfo, val_batches=val_list,
-                               collate_fn=make_collator("longest", pad_id=tok.pad_token_id), pad_id=tok.pad_token_id,
+        df = D.fit_distributed(model, loader, cfg, info=dinfo, val_batches=val_list, pad_id=tok.pad_token_id,
                                callbacks=[hooks], resume_from=out / STATE_FILE if resume else None)
     wall = time.perf_counter() - t0
     cfg.ckpt_every = hooks.every

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from benchmarks.baseline import BaselineRecipe, get_lr, minimind_rows, trained_tokens
+from benchmarks.baseline import BaselineRecipe, get_lr, minimind_rows
 from benchmarks import throughput as T
 from minimind_lib.model import MiniMindConfig, MiniMindForCausalLM, lm_loss
 
@@ -72,7 +72,7 @@ def test_minimind_rows_match_minimind_dataset():
     assert rows["X"].shape == rows["Y"].shape == rows["loss_mask"].shape == (2, 5)
     assert rows["X"][0].tolist() == [5, 6, 7, 8, 9] and rows["Y"][0].tolist() == [6, 7, 8, 9, 0]
     assert rows["loss_mask"].tolist() == [[1, 1, 1, 1, 0], [1, 1, 0, 0, 0]]
-    assert trained_tokens(rows) == 4 + 2  # (len - 1) per sample, as (labels[:, 1:] != -100)
+    assert T.micro_batch_tokens([rows]) == 4 + 2  # (len - 1) per sample, as data.trained_tokens of the labels
     long = minimind_rows([_sample(9)], max_length=4)
     assert long["X"][0].tolist() == [5, 6, 7] and int(long["loss_mask"].sum()) == 3  # truncation=True
     with pytest.raises(ValueError, match="max_length=1 is too short"):
@@ -105,7 +105,7 @@ def test_ours_budget_batches_keep_every_token_and_the_budget():
     mbs = T.ours_micro_batches(samples, seq_len=32, max_tokens=40, strategy="budget", pad_id=0)
     assert all(mb["input_ids"].numel() <= 40 for mb in mbs)
     assert all("attention_mask" not in mb for mb in mbs)  # right padding under causal attention needs no mask
-    assert T.step_token_count(mbs) == sum(n - 1 for n in (30, 3, 17, 8, 25, 2))
+    assert T.micro_batch_tokens(mbs) == sum(n - 1 for n in (30, 3, 17, 8, 25, 2))
     packed = T.ours_micro_batches(samples, seq_len=32, max_tokens=64, strategy="pack", pad_id=0)
     assert all(mb["input_ids"].shape[1] == 32 and mb["attention_mask"].dtype == torch.bool for mb in packed)
     with pytest.raises(ValueError, match="strategy='x'"):
@@ -115,9 +115,9 @@ def test_ours_budget_batches_keep_every_token_and_the_budget():
 def test_no_padding_mask_is_exact_for_right_padding():
     torch.manual_seed(0)
     model = MiniMindForCausalLM(MiniMindConfig.preset("smoke"))
-    from minimind_lib.data import pad_to_longest
+    from minimind_lib.data import pad_collate
 
-    mb = pad_to_longest([_sample(9), _sample(4)])
+    mb = pad_collate([_sample(9), _sample(4)])
     with_mask = lm_loss(model(mb["input_ids"], attention_mask=mb["attention_mask"]).logits, mb["labels"], "sum")
     without = lm_loss(model(mb["input_ids"]).logits, mb["labels"], "sum")
     assert torch.allclose(with_mask, without, rtol=1e-5)

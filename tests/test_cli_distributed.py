@@ -11,6 +11,7 @@ import contextlib
 import io
 import json
 import os
+import sys
 from pathlib import Path
 
 import pandas as pd
@@ -18,9 +19,10 @@ import pytest
 import torch
 
 from minimind_lib import cli
-from minimind_lib import distributed as D
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "notebooks"))
+from ddp_demo import launch  # noqa: E402  (notebook 09's launcher: kills every process it started)
 STEPS = 3
 # 48 samples of <= 32 tokens, micro-batches of <= 128 tokens, 3 per step: the 2 ranks get 2 and 1 of them.
 ARGS = ["--profile", "smoke", "--seq-len", "32", "--max-tokens", "128", "--accum", "3", "--max-samples", "48",
@@ -31,7 +33,7 @@ def test_torchrun_pretrain_matches_single_process(tmp_path):
     torch.set_num_threads(1)
     ddp_out, one_out = tmp_path / "ddp" / "pre", tmp_path / "one" / "pre"
     env = {"PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
-    res = D.launch(["minimind_lib", "pretrain", "--out", str(ddp_out), "--cache", str(tmp_path / "ddp_cache"), *ARGS],
+    res = launch(["-m", "minimind_lib", "pretrain", "--out", str(ddp_out), "--cache", str(tmp_path / "ddp_cache"), *ARGS],
                    nproc=2, launcher="torchrun", env=env, timeout_s=85, log_dir=tmp_path / "logs")
     for pid in res.pids:  # the launcher must leave nothing running
         with pytest.raises(ProcessLookupError):

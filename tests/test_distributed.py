@@ -1,13 +1,16 @@
 """DDP on CPU with gloo: 2 real processes give the gradients and losses of one process on the same data.
 
-The equivalence test launches 2 ranks once (bounded time, every process killed afterwards, even on failure);
-everything else (sampler, env parsing, memory arithmetic, launch clean-up) runs in-process.
+The equivalence test launches notebook 09's demo job (notebooks/ddp_demo.py, which trains through
+minimind_lib.distributed.fit_distributed) on 2 ranks once (bounded time, every process killed afterwards, even on
+failure); everything else (sampler, env parsing, the launcher's clean-up) runs in-process.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -15,13 +18,17 @@ import pytest
 import torch
 
 from minimind_lib import distributed as D
-from minimind_lib.batching import pad_collate
-from minimind_lib.train import accumulate_step
+from minimind_lib.data import pad_collate
+from minimind_lib.train import accumulate_step, world_size
+
+DEMO = Path(__file__).resolve().parents[1] / "notebooks" / "ddp_demo.py"
+sys.path.insert(0, str(DEMO.parent))
+import ddp_demo as demo  # noqa: E402  (notebook 09's harness: a script beside the notebook, not the library)
 
 # 32 variable-length samples, budget 96 padded tokens, 3 micro-batches per step -> an epoch of 4 global steps
 # [3, 3, 3, 1]: under 2 ranks one rank gets 2 micro-batches and the other 1, and in step 3 rank 1 gets none.
 SAMPLES = {"n": 32, "min_len": 3, "max_len": 40, "seed": 1, "masked_frac": 0.4}
-BASE = {"synthetic": SAMPLES, "model": "smoke", "max_tokens": 96, "batches_per_step": 3, "sampler_seed": 0,
+BASE = {"synthetic": SAMPLES, "model": "smoke", "max_tokens": 96, "accum_steps": 3, "sampler_seed": 0,
         "threads": 1, "capture_grads": [0, 1, 3]}
 TRAIN = {"max_steps": 5, "lr": 3e-3, "warmup_steps": 1, "seed": 0, "amp": "off", "grad_clip": 1.0}
 CKPT_STEP = 3  # ckpt_every=3 with 5 steps: one checkpoint, after step index 2; resuming runs steps 3 (a rank empty) and 4
@@ -47,7 +54,7 @@ def runs(tmp_path_factory):
     torch.set_num_threads(1)
     tmp = tmp_path_factory.mktemp("ddp")
     one = D.DistInfo()
-    ref = D.run_job({**BASE, "out": str(tmp / "ref"),
+    ref = demo.run_job({**BASE, "out": str(tmp / "ref"),
                      "train": {**TRAIN, "ckpt_every": CKPT_STEP, "ckpt_dir": str(tmp / "ref_ckpt")}}, one)
     specs = [
         {**BASE, "out": str(tmp / "ddp_a"), "train": {**TRAIN, "ckpt_every": CKPT_STEP, "ckpt_dir": str(tmp / "ddp_ckpt")}},
@@ -56,15 +63,14 @@ def runs(tmp_path_factory):
     ]
     spec_path = tmp / "job.json"
     spec_path.write_text(json.dumps(specs))
-    res = D.launch(["minimind_lib.distributed", "run-job", str(spec_path)], nproc=2, launcher="env",
-                   timeout_s=150, log_dir=tmp / "logs")
+    res = demo.launch([str(DEMO), str(spec_path)], nproc=2, launcher="env", timeout_s=150, log_dir=tmp / "logs")
     for pid in res.pids:  # the launcher must leave nothing running
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
     assert res.ok, f"2-rank run failed (rc {res.returncodes}, timed_out={res.timed_out}):\n" + \
         "\n".join(o[-3000:] for o in res.outputs)
     # resume the TWO-rank checkpoint in ONE process
-    resumed = D.run_job({**BASE, "out": str(tmp / "one_from_two"), "resume_from": str(tmp / "ddp_a" / f"ckpt_step{CKPT_STEP}.pt"),
+    resumed = demo.run_job({**BASE, "out": str(tmp / "one_from_two"), "resume_from": str(tmp / "ddp_a" / f"ckpt_step{CKPT_STEP}.pt"),
                          "train": TRAIN}, one)
     return {"tmp": tmp, "ref": ref, "resumed_1_from_2": resumed,
             "a": [_load(tmp / "ddp_a" / f"result_rank{r}.pt") for r in range(2)],
@@ -92,11 +98,21 @@ def test_two_ranks_match_single_process_gradients(runs):
             _assert_grads_close(runs["a"][r]["grads"][step], ref_grads[step], f"rank {r} step {step}")
 
 
+def test_one_gradient_allreduce_per_step_whatever_the_micro_batches(runs):
+    """no_sync on all but the last micro-batch: DDP's bucket all-reduces run once per optimizer step."""
+    a0, a1 = runs["a"]
+    per_step = list(zip(a0["rank_micro_batches"], a1["rank_micro_batches"]))
+    assert per_step[:3] == [(1, 2)] * 3 and per_step[3] == (1, 0)  # 3 micro-batches a step: dealt 1 + 2; the last 1
+    grad_bytes = 4 * sum(p.numel() for p in demo.job_model(BASE).parameters())
+    for a in (a0, a1):  # the whole fp32 gradient once per step, not once per micro-batch
+        assert a["allreduce_bytes"] == [grad_bytes] * TRAIN["max_steps"], a["allreduce_bytes"]
+
+
 def test_reference_is_plain_accumulation_and_naive_ddp_is_not():
     """Step 0's gradient from train.accumulate_step on the whole step; naive per-rank means averaged differ."""
     torch.set_num_threads(1)
     spec = {**BASE, "out": "unused", "train": TRAIN}
-    model, samples, sampler, _ = D.build_job(spec, D.DistInfo())
+    model, samples, sampler, _ = demo.build_job(spec, D.DistInfo())
     step0 = sampler.global_steps()[0]
     accumulate_step(model, [pad_collate([samples[i] for i in mb]) for mb in step0])
     exact = {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -114,7 +130,7 @@ def test_reference_is_plain_accumulation_and_naive_ddp_is_not():
 
 def test_reference_grads_equal_plain_accumulate_step(runs, tmp_path):
     spec = {**BASE, "out": str(tmp_path), "train": TRAIN}
-    model, samples, sampler, _ = D.build_job(spec, D.DistInfo())
+    model, samples, sampler, _ = demo.build_job(spec, D.DistInfo())
     accumulate_step(model, [pad_collate([samples[i] for i in mb]) for mb in sampler.global_steps()[0]])
     exact = {n: p.grad.clone() for n, p in model.named_parameters()}
     _assert_grads_close(runs["a"][0]["grads"][0], exact, "2-rank step 0 vs accumulate_step on the whole step")
@@ -146,7 +162,7 @@ def test_only_rank0_writes_the_checkpoint(runs):
 @pytest.mark.parametrize("world", [1, 2, 3, 5])
 @pytest.mark.parametrize("per_step", [1, 3, 4])
 def test_sampler_every_sample_exactly_once_and_equal_steps(world, per_step):
-    lengths = _lengths(D.synthetic_samples(57, min_len=1, max_len=60, seed=3))
+    lengths = _lengths(demo.synthetic_samples(57, min_len=1, max_len=60, seed=3))
     samplers = [D.DistributedTokenBudgetSampler(lengths, 120, per_step, num_replicas=world, rank=r, seed=7)
                 for r in range(world)]
     for epoch in (0, 1):
@@ -168,7 +184,7 @@ def test_sampler_every_sample_exactly_once_and_equal_steps(world, per_step):
 
 
 def test_sampler_balances_padded_tokens():
-    lengths = _lengths(D.synthetic_samples(200, min_len=1, max_len=64, seed=5))
+    lengths = _lengths(demo.synthetic_samples(200, min_len=1, max_len=64, seed=5))
     s0, s1 = (D.DistributedTokenBudgetSampler(lengths, 256, 8, num_replicas=2, rank=r) for r in range(2))
     cost = lambda mbs: sum(len(b) * max(lengths[i] for i in b) for b in mbs)  # noqa: E731
     for a, b in zip(s0, s1):
@@ -177,44 +193,38 @@ def test_sampler_balances_padded_tokens():
 
 
 def test_sampler_resume_position_is_world_size_independent():
-    lengths = _lengths(D.synthetic_samples(60, min_len=1, max_len=50, seed=2))
+    """fit resumes by skipping the steps already served (train.DataStream): the rest is the same for any world size."""
+    lengths = _lengths(demo.synthetic_samples(60, min_len=1, max_len=50, seed=2))
     two = D.DistributedTokenBudgetSampler(lengths, 100, 3, num_replicas=2, rank=0, seed=1)
-    it = iter(two)
-    next(it), next(it)
-    state = two.state_dict()
-    assert state["steps_served"] == 2 and "rank" not in state and "num_replicas" not in state
     three = [D.DistributedTokenBudgetSampler(lengths, 100, 3, num_replicas=3, rank=r, seed=1) for r in range(3)]
-    for s in three:
-        s.load_state_dict(state)
-    rest = sorted(i for s in three for step in s for mb in step for i in mb)
+    rest = sorted(i for s in three for step in itertools.islice(s, 2, None) for mb in step for i in mb)
     expected = sorted(i for step in two.global_steps()[2:] for mb in step for i in mb)
-    assert rest == expected
+    assert rest == expected and len(expected) > 0
 
 
 def test_assign_to_ranks():
     assert D.assign_to_ranks([5, 1, 1, 1, 1, 1], 2) == [[0], [1, 2, 3, 4, 5]]
     assert D.assign_to_ranks([1], 3) == [[0], [], []]
-    with pytest.raises(ValueError, match="world_size must be >= 1"):
+    with pytest.raises(ValueError, match="n_ranks must be >= 1"):
         D.assign_to_ranks([1], 0)
 
 
 def test_sampler_bad_inputs():
-    with pytest.raises(ValueError, match="batches_per_step must be >= 1"):
+    with pytest.raises(ValueError, match="accum_steps must be >= 1"):
         D.DistributedTokenBudgetSampler([3, 4], 10, 0)
     with pytest.raises(ValueError, match=r"rank=2 is outside 0..1"):
         D.DistributedTokenBudgetSampler([3, 4], 10, 1, num_replicas=2, rank=2)
-    s = D.DistributedTokenBudgetSampler([3, 4, 5], 10, 1, seed=1)
-    with pytest.raises(ValueError, match="saved with seed=2"):
-        s.load_state_dict({"epoch": 0, "steps_served": 0, "seed": 2})
-    with pytest.raises(ValueError, match="batches_per_step=4"):
-        s.load_state_dict({"epoch": 0, "steps_served": 0, "seed": 1, "batches_per_step": 4})
-    with pytest.raises(ValueError, match="steps_served=99 is outside"):
-        s.load_state_dict({"epoch": 0, "steps_served": 99})
-    with pytest.raises(ValueError, match="no key 'steps_served'"):
-        s.load_state_dict({"epoch": 0})
 
 
-# --------------------------------------------------------------------------------------------- env, launch, memory
+def test_sampler_serves_dataset_samples_and_cuts_at_seq_len():
+    ds = demo.synthetic_samples(20, min_len=2, max_len=30, seed=4)
+    s = D.DistributedTokenBudgetSampler(_lengths(ds), 64, 2, seq_len=16, dataset=ds)
+    got = [x for step in s for mb in step for x in mb]
+    assert sorted(map(id, got)) == sorted(map(id, ds))  # the dataset's own samples, each once
+    assert s.base.cap == 16  # rows longer than seq_len count as seq_len tokens (the collate cuts them)
+
+
+# --------------------------------------------------------------------------------------------- env, launch
 
 
 def test_env_ranks():
@@ -235,7 +245,8 @@ def test_setup_without_torchrun_is_single_process(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     info = D.setup(device="cpu")
     assert (info.rank, info.world_size, info.is_main, info.distributed, info.backend) == (0, 1, True, False, None)
-    assert D.is_main_process() and D.get_world_size() == 1 and D.all_reduce_sum(3) == 3
+    assert world_size() == 1 and D.wrap_ddp(model := torch.nn.Linear(2, 2), info) is model
+    D.barrier()  # nothing to wait for: must not raise
     D.teardown()  # nothing to tear down: must not raise
 
 
@@ -261,8 +272,7 @@ def test_controller_rejects_naive_normalization():
 
 def test_launch_kills_every_process_on_timeout(tmp_path):
     t0 = time.perf_counter()
-    res = D.launch(["-c", "import time; time.sleep(120)"], nproc=2, launcher="env", module=False, timeout_s=1.5,
-                   log_dir=tmp_path)
+    res = demo.launch(["-c", "import time; time.sleep(120)"], nproc=2, launcher="env", timeout_s=1.5, log_dir=tmp_path)
     assert res.timed_out and not res.ok and time.perf_counter() - t0 < 30
     for pid in res.pids:
         with pytest.raises(ProcessLookupError):
@@ -271,28 +281,14 @@ def test_launch_kills_every_process_on_timeout(tmp_path):
 
 def test_launch_reports_a_failing_rank(tmp_path):
     code = "import os, sys, time; r = int(os.environ['RANK']); print('rank', r); sys.exit(3) if r == 1 else time.sleep(120)"
-    res = D.launch(["-c", code], nproc=2, launcher="env", module=False, timeout_s=60, log_dir=tmp_path)
+    res = demo.launch(["-c", code], nproc=2, launcher="env", timeout_s=60, log_dir=tmp_path)
     assert not res.ok and not res.timed_out and 3 in res.returncodes and "rank 1" in res.outputs[1]
     with pytest.raises(ValueError, match="launcher='mpirun'"):
-        D.launch(["x"], launcher="mpirun")
+        demo.launch(["x"], launcher="mpirun")
 
 
-def test_sharded_memory_arithmetic():
-    from minimind_lib.model import MiniMindConfig
-
-    cfg = MiniMindConfig.preset("minimind2-small")
-    one = D.sharded_memory(cfg, 1, batch=8, seq=512)
-    assert one["n_params"] == 25_829_888 and one["model_state_bytes"] == 16 * 25_829_888
-    eight = D.sharded_memory(cfg, 8, batch=8, seq=512)
-    assert eight["fsdp_state_per_rank_bytes"] == 2 * 25_829_888  # 16 bytes / 8 ranks
-    assert eight["fsdp_per_rank_bytes"] < eight["ddp_per_rank_bytes"] == one["ddp_per_rank_bytes"]
-    assert eight["activation_bytes"] == one["activation_bytes"]  # sharding does not shrink activations
-    with pytest.raises(ValueError, match="world_size must be >= 1"):
-        D.sharded_memory(cfg, 0, batch=1, seq=1)
-
-
-def test_cli_missing_spec(capsys, tmp_path):
-    assert D._cli(["run-job", str(tmp_path / "nope.json")]) == 2
+def test_demo_missing_spec(capsys, tmp_path):
+    assert demo.main([str(tmp_path / "nope.json")]) == 2
     assert "job spec not found" in capsys.readouterr().err
 
 
@@ -302,7 +298,7 @@ def test_distributed_step_source_deals_dataset_samples():
         def lengths(self):
             return [int(s["input_ids"].numel()) for s in self]
 
-    ds = DS(D.synthetic_samples(20, min_len=2, max_len=30, seed=4))
+    ds = DS(demo.synthetic_samples(20, min_len=2, max_len=30, seed=4))
     sources = [D.distributed_step_source(ds, 64, 2, seed=3, info=D.DistInfo(rank=r, world_size=2)) for r in range(2)]
     assert len(sources[0]) == len(sources[1])
     got = [id(x) for src in sources for step in src for mb in step for x in mb]
@@ -322,8 +318,9 @@ def test_controller_runs_fits_accumulate_fn_on_the_ddp_model_with_the_global_cou
         calls.append((len(micro_batches), forward_model, n_tokens_total))
         return {"loss_sum": 1.5, "n_tokens": n_tokens_total}
 
-    samples = D.synthetic_samples(3, min_len=4, max_len=9, seed=1)
+    samples = demo.synthetic_samples(3, min_len=4, max_len=9, seed=1)
     stats = ctrl.run_step([samples[:2], samples[2:]], accumulate_fn)
     n_tokens = sum(int((s["labels"][1:] != -100).sum()) for s in samples)
     assert calls == [(2, wrapper, n_tokens)]
     assert stats["n_tokens"] == n_tokens and stats["loss_sum"] == 1.5
+    assert ctrl.state_dict() == {"step": 1, "world_size": 1}
