@@ -52,10 +52,10 @@ def load_samples(profile, n: int, *, seed: int = 0) -> tuple[list[dict], str]:
 
 
 def collate(samples: Sequence[dict]) -> dict:
-    """Pad samples to the longest row (data.pad_to_longest: pads get label -100 and attention_mask 0)."""
-    from minimind_lib.data import pad_to_longest
+    """Pad samples to the longest row (data.pad_collate: pads get label -100 and attention_mask 0)."""
+    from minimind_lib.data import pad_collate
 
-    return pad_to_longest(list(samples), pad_id=0)
+    return pad_collate(list(samples), pad_id=0)
 
 
 def split(samples: Sequence[dict], k: int) -> list[dict]:

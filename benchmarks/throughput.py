@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import gc
 import importlib.util
 import math
@@ -53,6 +54,9 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.data import DataLoader
+
+from minimind_lib.data import tokenizers_parallelism_off
 
 IGNORE_INDEX = -100
 STRATEGIES = ("budget", "pack")
@@ -143,14 +147,17 @@ def ours_micro_batches(samples: Sequence[dict], seq_len: int, max_tokens: int, s
                        pad_multiple: int | None = None) -> list[dict]:
     """Our micro-batches of one optimizer step's samples: token-budget groups or packed rows."""
     from minimind_lib.batching import TokenBudgetBatchSampler, collate_packed, pack_sequences
-    from minimind_lib.data import pad_to_longest
+    from minimind_lib.data import pad_collate
 
     if strategy == "budget":
         lengths = [int(s["input_ids"].numel()) for s in samples]
         sampler = TokenBudgetBatchSampler(lengths, max_tokens, shuffle=False, max_len=seq_len)
         out = []
         for idx in sampler.batches():
-            mb = pad_to_longest([samples[i] for i in idx], pad_id=pad_id, pad_to_multiple_of=pad_multiple)
+            batch = [samples[i] for i in idx]
+            width = max(len(s["input_ids"]) for s in batch)
+            width = -(-width // pad_multiple) * pad_multiple if pad_multiple else width
+            mb = pad_collate(batch, pad_id=pad_id, seq_len=width, fixed=True)
             # Right padding + causal attention: no real token can see a pad, and pads carry label -100, so the
             # padding mask changes nothing we train on; without it SDPA keeps its fast is_causal kernels.
             mb.pop("attention_mask")
@@ -604,6 +611,29 @@ def _fwd_bwd(model: nn.Module, mb: dict, amp_dtype, device: torch.device, loss_f
     return run
 
 
+def measure_dataloader(dataset, collate_fn, batch_size: int, num_workers: int = 0, persistent_workers: bool = False,
+                       pin_memory: bool | None = None, epochs: int = 2, max_batches: int | None = None) -> dict:
+    """Samples/s of iterating a DataLoader `epochs` times (worker start-up included, as a training run pays it)."""
+    if pin_memory is None:
+        pin_memory = torch.cuda.is_available()  # pinning only speeds up host->GPU copies; on CPU it is wasted work
+    loader = DataLoader(dataset, batch_size=batch_size, shuffle=True, collate_fn=collate_fn, num_workers=num_workers,
+                        persistent_workers=persistent_workers and num_workers > 0, pin_memory=pin_memory,
+                        generator=torch.Generator().manual_seed(0))
+    n_samples, t0 = 0, time.perf_counter()
+    # workers fork when an epoch's iterator starts: HF tokenizers must not have its thread pool on while they do
+    with tokenizers_parallelism_off() if num_workers > 0 else nullcontext():
+        for _ in range(epochs):
+            for k, batch in enumerate(loader):
+                n_samples += batch["input_ids"].shape[0]
+                if max_batches is not None and k + 1 >= max_batches:
+                    break
+    seconds = time.perf_counter() - t0
+    del loader  # shuts persistent workers down
+    return {"num_workers": num_workers, "persistent_workers": persistent_workers and num_workers > 0,
+            "pin_memory": pin_memory, "epochs": epochs, "samples": n_samples, "seconds": seconds,
+            "samples_per_s": n_samples / seconds if seconds > 0 else float("nan")}
+
+
 def run_levers(args: argparse.Namespace) -> dict:
     """Each lever as a ratio measured in this process (alternating repeats), with peak memory where it matters."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -767,12 +797,12 @@ def run_levers(args: argparse.Namespace) -> dict:
 
     # 7. DataLoader workers: MiniMind-style lazy tokenization in __getitem__, 0 vs 2 workers, vs training speed.
     if want("dataloader_workers"):
-        from minimind_lib.data import PretrainDataset, make_collator, measure_dataloader
+        from minimind_lib.data import PretrainDataset, pad_collate
         from minimind_lib.paths import DATA_DIR
 
         data = Path(args.data) if args.data else DATA_DIR / "pretrain.jsonl"
         lazy = PretrainDataset(data, s["tok"], s["seq"], max_samples=min(2000, args.max_samples or 2000), lazy=True)
-        collate = make_collator("max_length", s["tok"].pad_token_id, s["seq"])
+        collate = functools.partial(pad_collate, pad_id=s["tok"].pad_token_id, seq_len=s["seq"], fixed=True)
         n_batches = max(2, min(20, len(lazy) // s["batch"]))
         loader = {w: measure_dataloader(lazy, collate, s["batch"], num_workers=w, epochs=1, max_batches=n_batches)
                   for w in (0, 2)}

@@ -616,7 +616,7 @@ def sharded_memory(config: Any, world_size: int, *, batch: int, seq: int, amp: s
 
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    est = estimate_memory(config, batch=batch, seq=seq, amp=amp)
+    est = estimate_memory(config, batch_size=batch, seq_len=seq, amp=amp)
     counts = layer_param_counts(config)
     P = est["n_params"]
     state = est["params_bytes"] + est["grads_bytes"] + est["optimizer_bytes"]  # 16 P

@@ -115,9 +115,9 @@ def test_ours_budget_batches_keep_every_token_and_the_budget():
 def test_no_padding_mask_is_exact_for_right_padding():
     torch.manual_seed(0)
     model = MiniMindForCausalLM(MiniMindConfig.preset("smoke"))
-    from minimind_lib.data import pad_to_longest
+    from minimind_lib.data import pad_collate
 
-    mb = pad_to_longest([_sample(9), _sample(4)])
+    mb = pad_collate([_sample(9), _sample(4)])
     with_mask = lm_loss(model(mb["input_ids"], attention_mask=mb["attention_mask"]).logits, mb["labels"], "sum")
     without = lm_loss(model(mb["input_ids"]).logits, mb["labels"], "sum")
     assert torch.allclose(with_mask, without, rtol=1e-5)
@@ -195,3 +195,22 @@ def test_compile_failure_at_first_step_falls_back_to_eager(monkeypatch):
     monkeypatch.setattr(T, "try_compile", lambda model, device, dynamic=None: (Broken(), "compiled"))
     r = T.main(TINY + ["--compile", "--no-memory"])
     assert r["compile"] == "compile unavailable: RuntimeError: backend exploded" and r["tokens_per_s"] > 0
+
+
+def test_measure_dataloader_reports_samples_per_s(tmp_path):
+    # moved from tests/test_data.py with measure_dataloader (a benchmark harness, not library code)
+    import functools
+    import warnings
+
+    from minimind_lib.data import PretrainDataset, pad_collate
+    from minimind_lib.tokenizer import Tokenizer
+
+    texts = ["To be, or not to be, that is the question.", "床前明月光，疑是地上霜。", "Hello there! How can I help?"] * 4
+    tok = Tokenizer.train(texts, vocab_size=300)
+    path = tmp_path / "pre.jsonl"
+    path.write_text("".join(json.dumps({"text": t}, ensure_ascii=False) + "\n" for t in texts), encoding="utf-8")
+    ds = PretrainDataset(path, tok, 32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no TOKENIZERS_PARALLELISM fork warning or similar
+        r = T.measure_dataloader(ds, functools.partial(pad_collate, pad_id=tok.pad_token_id), batch_size=4, epochs=1)
+    assert r["samples"] == len(ds) and r["samples_per_s"] > 0 and r["pin_memory"] == torch.cuda.is_available()
