@@ -25,7 +25,7 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
+from tqdm import tqdm  # a text bar: an executed notebook keeps its final state, not a widget's first
 
 from .fileio import atomic_open, atomic_write_text
 from .tokenizer import ROLES
