@@ -231,7 +231,7 @@ def tokenize_samples(kind: str, payloads: list, tokenizer=None) -> tuple[np.ndar
     """Flat int64 ids, per-sample lengths and (SFT) the flat uint8 trained-token mask of a chunk of samples."""
     tok = tokenizer if tokenizer is not None else _WORKER["tok"]
     if kind == "pretrain":  # the Rust tokenizer encodes a batch in parallel
-        encoded = tok.encode_batch(payloads) if hasattr(tok, "encode_batch") else [tok.encode(t) for t in payloads]
+        encoded = tok.encode_batch(payloads) if hasattr(tok, "encode_batch") else [tok.encode(t, add_special_tokens=False) for t in payloads]
         seqs, masks = [[tok.bos_token_id, *ids, tok.eos_token_id] for ids in encoded], None
     else:
         seqs, masks = zip(*[encode_sft(tok, c) for c in payloads]) if payloads else ([], [])
