@@ -1,4 +1,8 @@
-"""Which device the course runs on, and what that device can honestly do (bf16, fp16, memory)."""
+"""The device, as notebook 00_setup shows it: which one the course runs on and what it can honestly do.
+
+A format is "supported" when autocast runs in it here (checked by running it), "native" when the hardware has
+instructions for it; without them (bf16 or fp16 on most CPUs) autocast emulates the format, slower than fp32.
+"""
 
 from __future__ import annotations
 
@@ -10,109 +14,87 @@ import torch
 
 from .profiles import Profile, get_profile
 
+# /proc/cpuinfo flags of bf16 and fp16 arithmetic: x86 AVX512 and AMX, Arm's BF16 and half-precision SIMD
+_NATIVE_CPU_FLAGS = {torch.bfloat16: {"avx512_bf16", "amx_bf16", "bf16"}, torch.float16: {"avx512_fp16", "amx_fp16", "asimdhp"}}
+
 
 def get_device(prefer: str | None = None) -> torch.device:
     """The best device available: cuda > mps > cpu (or `prefer`, or env MINIMIND_DEVICE)."""
-    prefer = prefer or os.environ.get("MINIMIND_DEVICE")
-    if prefer:
+    if prefer := prefer or os.environ.get("MINIMIND_DEVICE"):
         return torch.device(prefer)
-    if torch.cuda.is_available():
-        return torch.device("cuda")
-    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
-        return torch.device("mps")
-    return torch.device("cpu")
+    mps = getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
+    return torch.device("cuda" if torch.cuda.is_available() else "mps" if mps else "cpu")
+
+
+def _cpuinfo(prefixes: tuple[str, ...]) -> list[str] | None:
+    """The values of the /proc/cpuinfo lines starting with `prefixes` (None where the OS has no /proc, e.g. macOS)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return [line.split(":", 1)[1].strip() for line in f if line.startswith(prefixes)]
+    except OSError:
+        return None
 
 
 @lru_cache(maxsize=None)
-def cpu_name() -> str:
-    """The CPU's model name as the OS reports it."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-@lru_cache(maxsize=None)
-def cpu_has_native_bf16() -> bool:
-    """True when the CPU has bf16 instructions (AVX512-BF16, AMX or Arm BF16), so bf16 autocast can be fast."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            text = f.read()
-    except OSError:
-        return platform.machine() == "arm64"  # Apple silicon (M2 and later) has bf16; a guess we state as such
-    flags = set()
-    for line in text.splitlines():
-        if line.startswith(("flags", "Features")):
-            flags.update(line.split(":", 1)[1].split())
-    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+def cpu_has_native(dtype: torch.dtype) -> bool:
+    """Whether the CPU has arithmetic instructions for `dtype` (bf16 or fp16), from its /proc/cpuinfo flags."""
+    flags = _cpuinfo(("flags", "Features"))
+    if flags is None:  # no /proc: Apple silicon has fp16, and bf16 from M2 on (a guess we state as such)
+        return platform.machine() == "arm64"
+    return bool({f for line in flags for f in line.split()} & _NATIVE_CPU_FLAGS[dtype])
 
 
 def device_name(device: torch.device) -> str:
     """Human-readable name of the device (GPU model or CPU model)."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    if device.type == "mps":
-        return f"Apple {platform.machine()} (MPS)"
-    return cpu_name()
+    if device.type in ("cuda", "mps"):
+        return torch.cuda.get_device_name(device) if device.type == "cuda" else f"Apple {platform.machine()} (MPS)"
+    return next(iter(_cpuinfo(("model name",)) or []), "") or platform.processor() or platform.machine()
+
+
+@lru_cache(maxsize=None)
+def autocast_runs(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether a matmul under torch.autocast(device_type, dtype) runs here and comes out in `dtype`."""
+    try:
+        with torch.autocast(device_type, dtype=dtype):
+            x = torch.ones(4, 4, device=device_type)
+            return (x @ x).dtype == dtype
+    except (RuntimeError, TypeError):  # autocast refuses this dtype on this device type
+        return False
 
 
 def bf16_supported(device: torch.device) -> bool:
     """Whether bf16 autocast runs on this device at all (it may still be slow: see bf16_native)."""
-    if device.type == "cuda":
-        return torch.cuda.is_bf16_supported()
-    return device.type in ("cpu", "mps")
+    return torch.cuda.is_bf16_supported() if device.type == "cuda" else autocast_runs(device.type, torch.bfloat16)
 
 
 def bf16_native(device: torch.device) -> bool:
     """Whether bf16 runs in hardware here; on a CPU without it, autocast emulates bf16 and is slower than fp32."""
     if device.type == "cuda":
-        major, _ = torch.cuda.get_device_capability(device)
-        return major >= 8  # Ampere and later have bf16 tensor cores
-    if device.type == "mps":
-        return bf16_supported(device)
-    return cpu_has_native_bf16()
-
-
-def fp16_supported(device: torch.device) -> bool:
-    """Whether fp16 autocast is worth using here (GPUs; CPUs emulate it slowly)."""
-    return device.type in ("cuda", "mps")
+        return torch.cuda.get_device_capability(device)[0] >= 8  # Ampere and later have bf16 tensor cores
+    return bf16_supported(device) if device.type == "mps" else cpu_has_native(torch.bfloat16)
 
 
 def total_memory_bytes(device: torch.device) -> int:
     """Total memory of the device: the GPU's memory on CUDA, the machine's RAM otherwise."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 0
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0  # no sysconf: Windows
 
 
 def device_report(device: torch.device | None = None, profile: Profile | None = None) -> dict:
     """Facts about the device and the selected profile, as a JSON-ready dict."""
-    device = device or get_device()
-    profile = profile or get_profile()
-    return {
-        "device": device.type,
-        "device_name": device_name(device),
-        "profile": profile.name,
-        "torch": torch.__version__,
-        "bf16_supported": bf16_supported(device),
-        "bf16_native": bf16_native(device),
-        "fp16_supported": fp16_supported(device),
-        "total_memory_bytes": total_memory_bytes(device),
-        "cpu_threads": torch.get_num_threads(),
-    }
+    device, profile = device or get_device(), profile or get_profile()
+    return {"device": device.type, "device_name": device_name(device), "profile": profile.name,
+            "torch": torch.__version__, "bf16_supported": bf16_supported(device), "bf16_native": bf16_native(device),
+            # every CUDA and Apple GPU has fp16 math; most CPUs emulate it under autocast (as notebook 05 measures)
+            "fp16_supported": autocast_runs(device.type, torch.float16),
+            "fp16_native": device.type in ("cuda", "mps") or cpu_has_native(torch.float16),
+            "total_memory_bytes": total_memory_bytes(device), "cpu_threads": torch.get_num_threads()}
 
 
 def describe(profile: Profile | None = None, device: torch.device | None = None) -> str:
     """One line naming device and profile, for a notebook's first cell and every figure title."""
-    device = device or get_device()
-    profile = profile or get_profile()
+    device, profile = device or get_device(), profile or get_profile()
     return f"{device.type} ({device_name(device)}), profile={profile.name}, torch {torch.__version__.split('+')[0]}"
 
 
@@ -123,26 +105,3 @@ def synchronize(device: torch.device | str) -> None:
         torch.cuda.synchronize(device)
     elif device.type == "mps":
         torch.mps.synchronize()
-
-
-def memory_fraction_for(target_bytes: int, total_bytes: int) -> float:
-    """The fraction of a device's memory that leaves `target_bytes` usable (for set_per_process_memory_fraction)."""
-    if target_bytes <= 0 or total_bytes <= 0:
-        raise ValueError(f"memory sizes must be positive, got target={target_bytes} total={total_bytes}")
-    if target_bytes > total_bytes:
-        raise ValueError(
-            f"cannot emulate {target_bytes / 2**30:.1f} GiB on a device with {total_bytes / 2**30:.1f} GiB"
-        )
-    return target_bytes / total_bytes
-
-
-def emulate_gpu_memory(target_bytes: int, device: torch.device | None = None) -> float | None:
-    """Cap this process's CUDA memory at `target_bytes` (a smaller GPU on a bigger one); None on non-CUDA devices."""
-    device = device or get_device()
-    if device.type != "cuda":
-        return None  # on CPU, minimind_lib.memory.MemoryMeter(budget_bytes=...) imposes a budget instead
-    if device.index is None:  # set_per_process_memory_fraction needs an index: "cuda" is the current device
-        device = torch.device("cuda", torch.cuda.current_device())
-    fraction = memory_fraction_for(target_bytes, total_memory_bytes(device))
-    torch.cuda.set_per_process_memory_fraction(fraction, device)
-    return fraction

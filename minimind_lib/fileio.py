@@ -1,4 +1,4 @@
-"""Atomic file writes: a reader (or a crash) sees the old file or the new one, never half of one."""
+"""Atomic file writes (memmaps of notebook 02_data, checkpoints of 03_model): old file or new, never half of one."""
 
 from __future__ import annotations
 
@@ -14,8 +14,7 @@ def atomic_open(path: str | os.PathLike, mode: str = "wb", encoding: str | None 
     """Open a temp file beside `path` for writing; on success flush, fsync and os.replace it onto `path`."""
     if mode not in ("w", "wb"):
         raise ValueError(f"atomic_open writes whole files: mode must be 'w' or 'wb', got {mode!r}")
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    (path := Path(path)).parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, mode, encoding=encoding if mode == "w" else None) as f:

@@ -1,4 +1,4 @@
-"""Memory: measure it (MemoryMeter, same API on CUDA and CPU), impose a budget, and predict it (estimate_memory).
+"""Memory, built in notebook 03_model: measure it (MemoryMeter, CUDA and CPU), impose a budget, predict it.
 
 On CUDA the caching allocator keeps exact counters (``torch.cuda.max_memory_allocated``). A CPU has no such
 counters, so on CPU the meter asks PyTorch itself: inside ``with meter.track(...)`` a TorchDispatchMode sees
@@ -13,21 +13,19 @@ tensors created outside ``track`` that were not passed to it.
 from __future__ import annotations
 
 import contextlib
-import math
 import weakref
-from contextlib import contextmanager
 from typing import Any, Iterator
 
 import torch
 import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-_OOMBase = getattr(torch, "OutOfMemoryError", RuntimeError)
+from .model import MiniMindForCausalLM, count_parameters, lm_loss
 
-
-class OutOfMemory(_OOMBase):
-    """Raised when tracked live bytes exceed a MemoryMeter's budget (a torch.OutOfMemoryError where it exists)."""
+class OutOfMemory(torch.OutOfMemoryError):
+    """Raised when tracked live bytes exceed a MemoryMeter's budget: a torch.OutOfMemoryError, as a GPU raises."""
 
 
 def _fmt(n: int) -> str:
@@ -58,15 +56,13 @@ class _LiveBytes(TorchDispatchMode):
                 if isinstance(t, torch.Tensor):
                     meter._add(t)
         if meter._current > before:
-            if meter._current > meter._peak:
-                meter._peak = meter._current
+            meter._peak = max(meter._peak, meter._current)
             if meter.budget_bytes is not None and meter._current > meter.budget_bytes:
                 request = meter._current - before
                 raise OutOfMemory(
                     f"{meter.device.type.upper()} out of memory (MemoryMeter budget): {func} tried to allocate "
                     f"{request} bytes ({_fmt(request)}); live {meter._current} bytes ({_fmt(meter._current)}) "
-                    f"exceeds the budget of {meter.budget_bytes} bytes ({_fmt(meter.budget_bytes)})"
-                )
+                    f"exceeds the budget of {meter.budget_bytes} bytes ({_fmt(meter.budget_bytes)})")
         return out
 
 
@@ -84,14 +80,11 @@ class MemoryMeter:
         if self.is_cuda and self.device.index is None:
             # set_per_process_memory_fraction needs an index; "cuda" means the current device
             self.device = torch.device("cuda", torch.cuda.current_device())
-        self.budget_bytes = None
+        self.budget_bytes, self._current, self._peak = None, 0, 0
         self._storages: dict[int, tuple[weakref.ref, int]] = {}  # StorageImpl address -> (weakref, nbytes)
-        self._current = 0
-        self._peak = 0
         if budget_bytes is not None:
             self.set_budget(budget_bytes)
 
-    # -- budget ------------------------------------------------------------------------------------------------
     def set_budget(self, budget_bytes: int | None) -> None:
         """Impose (or with None lift) a memory budget on this device."""
         if budget_bytes is not None and budget_bytes <= 0:
@@ -99,13 +92,13 @@ class MemoryMeter:
         had_budget = self.budget_bytes is not None
         self.budget_bytes = budget_bytes
         # On CUDA the allocator enforces it. Lifting touches the device only when this meter had set a cap, so a
-        # meter never undoes a cap set elsewhere (device.emulate_gpu_memory, another meter).
+        # meter never undoes a cap set elsewhere (notebook 00's emulated smaller GPU, another meter).
         if self.is_cuda and (budget_bytes is not None or had_budget):
             total = torch.cuda.get_device_properties(self.device).total_memory
             fraction = 1.0 if budget_bytes is None else min(1.0, budget_bytes / total)
             torch.cuda.set_per_process_memory_fraction(fraction, self.device)
 
-    # -- bookkeeping on CPU ------------------------------------------------------------------------------------
+    # -- bookkeeping on CPU
     def _add(self, t: torch.Tensor) -> None:
         if t.device.type != self.device.type or t.is_sparse:
             return
@@ -113,19 +106,14 @@ class MemoryMeter:
             st = t.untyped_storage()
         except (RuntimeError, NotImplementedError):  # tensors without a storage (e.g. some subclasses)
             return
-        key = st._cdata
-        if key in self._storages:
-            return
-        nbytes = st.nbytes()
-        if nbytes == 0:
+        key, nbytes = st._cdata, st.nbytes()
+        if key in self._storages or nbytes == 0:
             return
         self._storages[key] = (weakref.ref(st, lambda _ref, key=key: self._free(key)), nbytes)
         self._current += nbytes
 
     def _free(self, key: int) -> None:
-        entry = self._storages.pop(key, None)
-        if entry is not None:
-            self._current -= entry[1]
+        self._current -= self._storages.pop(key, (None, 0))[1]
 
     def register(self, *objs: Any) -> None:
         """Count tensors that exist already: modules (params, buffers, grads), optimizers, tensors, containers."""
@@ -137,30 +125,25 @@ class MemoryMeter:
         if self.budget_bytes is not None and self._current > self.budget_bytes and self._current > before:
             raise OutOfMemory(
                 f"CPU out of memory (MemoryMeter budget): registered tensors need {self._current} bytes "
-                f"({_fmt(self._current)}), over the budget of {self.budget_bytes} bytes ({_fmt(self.budget_bytes)})"
-            )
+                f"({_fmt(self._current)}), over the budget of {self.budget_bytes} bytes ({_fmt(self.budget_bytes)})")
 
-    @contextmanager
+    @contextlib.contextmanager
     def track(self, *objs: Any) -> Iterator["MemoryMeter"]:
         """Measure the code inside; `objs` (model, optimizer, batch tensors) are walked first so they count.
 
         Pass the model and optimizer on every call (a training loop does): their gradients and optimizer
-        states may have been created since the last call. On CUDA this just yields (the allocator counts).
-        """
-        if self.is_cuda:
-            yield self
-            return
-        self.register(*objs)
-        with _LiveBytes(self):
+        states may have been created since the last call. On CUDA this just yields (the allocator counts)."""
+        if not self.is_cuda:
+            self.register(*objs)
+        with contextlib.nullcontext() if self.is_cuda else _LiveBytes(self):
             yield self
 
-    # -- readings ----------------------------------------------------------------------------------------------
+    # -- readings
     def reset_peak(self) -> None:
         """Start a new peak window at the current level."""
+        self._peak = self._current
         if self.is_cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
-        else:
-            self._peak = self._current
 
     def current(self) -> int:
         """Bytes live now (CUDA: allocated; CPU: tracked live tensor bytes)."""
@@ -187,14 +170,10 @@ class MemoryMeter:
 def _tensors_of(obj: Any) -> Iterator[torch.Tensor]:
     """Every tensor a module, optimizer, tensor or (nested) container holds right now."""
     if isinstance(obj, torch.Tensor):
-        yield obj
-        if obj.grad is not None:
-            yield obj.grad
+        yield from (obj,) if obj.grad is None else (obj, obj.grad)
     elif isinstance(obj, nn.Module):
         for p in obj.parameters():
-            yield p
-            if p.grad is not None:
-                yield p.grad
+            yield from _tensors_of(p)
         yield from obj.buffers()
     elif isinstance(obj, torch.optim.Optimizer):
         for group in obj.param_groups:
@@ -210,17 +189,26 @@ def _tensors_of(obj: Any) -> Iterator[torch.Tensor]:
             yield from _tensors_of(v)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Prediction
-
+# ---- Prediction: what one training step holds, counted from the model's shapes
 _AMP_BYTES = {"off": 4, "bf16": 2, "fp16": 2}
-_OPT_STATES = {"adamw": 2, "adam": 2, "sgd": 0, "sgd_momentum": 1}
+_OPTIMIZERS = {"adamw": (2, lambda ps: torch.optim.AdamW(ps, lr=1e-3)), "adam": (2, lambda ps: torch.optim.Adam(ps, lr=1e-3)),
+               "sgd": (0, lambda ps: torch.optim.SGD(ps, lr=1e-3)),
+               "sgd_momentum": (1, lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9))}  # (fp32 states per param, make)
 
 
-def estimate_memory(config, batch: int, seq: int, amp: str = "off", optimizer: str = "adamw") -> dict:
+def _check_step_args(batch_size: int, seq_len: int, amp: str, optimizer: str) -> None:
+    if amp not in _AMP_BYTES:
+        raise ValueError(f"amp must be one of {sorted(_AMP_BYTES)}, got {amp!r}")
+    if optimizer not in _OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {sorted(_OPTIMIZERS)}, got {optimizer!r}")
+    if batch_size <= 0 or seq_len <= 0:
+        raise ValueError(f"batch_size and seq_len must be positive, got batch_size={batch_size}, seq_len={seq_len}")
+
+
+def estimate_memory(config, batch_size: int, seq_len: int, amp: str = "off", optimizer: str = "adamw") -> dict:
     """Predict the bytes of one training step (fwd + bwd + optimizer) of a MiniMind model, analytically.
 
-    Counts (N = batch*seq tokens, C hidden, F ffn width, V vocab, P parameters, s = activation bytes, 4 or 2):
+    Counts (N = batch_size*seq_len tokens, C hidden, F ffn width, V vocab, P parameters, s = activation bytes):
     - params 4P (fp32 master weights) and the RoPE tables 2 * max_pos * head_dim * 4; grads 4P;
       AdamW's exp_avg and exp_avg_sq 8P (SGD 0, momentum 4P). Under autocast add 2P of low-precision weight copies.
     - activations saved for backward, per layer (read off the forward code with saved_tensors_hooks):
@@ -237,45 +225,25 @@ def estimate_memory(config, batch: int, seq: int, amp: str = "off", optimizer: s
     tests/test_memory.py (within 1-3% for the presets); under autocast the count is rougher (it reads 3-8% low
     at large batches: some CPU ops keep fp32 activations).
     """
-    if amp not in _AMP_BYTES:
-        raise ValueError(f"amp must be one of {sorted(_AMP_BYTES)}, got {amp!r}")
-    if optimizer not in _OPT_STATES:
-        raise ValueError(f"optimizer must be one of {sorted(_OPT_STATES)}, got {optimizer!r}")
-    if batch <= 0 or seq <= 0:
-        raise ValueError(f"batch and seq must be positive, got batch={batch}, seq={seq}")
-    c = config
-    n, C, F, V, L = batch * seq, c.hidden_size, c.intermediate_size, c.vocab_size, c.num_hidden_layers
-    s = _AMP_BYTES[amp]
-    kv = c.num_key_value_heads * c.head_dim
-    P = (V * C  # tied embedding / lm_head
-         + L * (2 * C * C + 2 * C * kv + 3 * C * F + 2 * C)  # q,o + k,v + gate,up,down + 2 norms
-         + C)  # final norm
-    params = 4 * P
+    _check_step_args(batch_size, seq_len, amp, optimizer)
+    c, n, s = config, batch_size * seq_len, _AMP_BYTES[amp]
+    C, F, V, L, kv = c.hidden_size, c.intermediate_size, c.vocab_size, c.num_hidden_layers, c.num_key_value_heads * c.head_dim
+    # tied embedding / lm_head + per layer q,o + k,v + gate,up,down + 2 norms + the final norm
+    P = V * C + L * (2 * C * C + 2 * C * kv + 3 * C * F + 2 * C) + C
+    params, grads, opt_states = 4 * P, 4 * P, _OPTIMIZERS[optimizer][0] * 4 * P
     buffers = 2 * c.max_position_embeddings * c.head_dim * 4
-    grads = 4 * P
-    opt_states = _OPT_STATES[optimizer] * 4 * P
     amp_weight_copies = 0 if amp == "off" else 2 * P
     kv_saved = 2 * n * (C if c.num_attention_heads != c.num_key_value_heads else kv)
     norm_saved = n * C * (4 + 4 + s)  # input, normalised input (fp32), output as the next matmul's input
-    per_layer = 2 * norm_saved + (2 * n * C + kv_saved + 4 * n * F) * s
-    activations = L * per_layer + norm_saved
+    activations = L * (2 * norm_saved + (2 * n * C + kv_saved + 4 * n * F) * s) + norm_saved
     head = n * V * s + n * V * 4 + 2 * n * V * 4
     backward_start = params + buffers + opt_states + amp_weight_copies + activations + head
-    optimizer_step = params + buffers + grads + opt_states
-    return {
-        "params_bytes": params,
-        "buffers_bytes": buffers,
-        "grads_bytes": grads,
-        "optimizer_bytes": opt_states,
-        "amp_weight_copies_bytes": amp_weight_copies,
-        "activations_bytes": activations,
-        "head_bytes": head,
-        "peak_bytes": max(backward_start, optimizer_step),
-        "n_params": P,
-    }
+    return {"params_bytes": params, "buffers_bytes": buffers, "grads_bytes": grads, "optimizer_bytes": opt_states,
+            "amp_weight_copies_bytes": amp_weight_copies, "activations_bytes": activations, "head_bytes": head,
+            "peak_bytes": max(backward_start, params + buffers + grads + opt_states), "n_params": P}
 
 
-def measure_step_memory(config, batch: int, seq: int, amp: str = "off", optimizer: str = "adamw",
+def measure_step_memory(config, batch_size: int, seq_len: int, amp: str = "off", optimizer: str = "adamw",
                         device: torch.device | str = "cpu", fake: bool = False, seed: int = 0) -> dict:
     """Measure one steady-state training step (fwd + bwd + optimizer step) of a fresh model with a MemoryMeter.
 
@@ -285,32 +253,18 @@ def measure_step_memory(config, batch: int, seq: int, amp: str = "off", optimize
     sizes this machine could not hold. amp autocasts the forward (no GradScaler: it does not change memory).
     Returns peak_bytes, current_bytes (after the step), n_params and the inputs.
     """
-    from .model import MiniMindForCausalLM, lm_loss  # here, not at the top: model.py does not need memory.py
-
-    if amp not in _AMP_BYTES:
-        raise ValueError(f"amp must be one of {sorted(_AMP_BYTES)}, got {amp!r}")
-    optimizers = {"adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-3), "adam": lambda ps: torch.optim.Adam(ps, lr=1e-3),
-                  "sgd": lambda ps: torch.optim.SGD(ps, lr=1e-3),
-                  "sgd_momentum": lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9)}
-    if optimizer not in optimizers:
-        raise ValueError(f"optimizer must be one of {sorted(optimizers)}, got {optimizer!r}")
+    _check_step_args(batch_size, seq_len, amp, optimizer)
     device = torch.device("cpu") if fake else torch.device(device)  # fake tensors: bytes are device-independent
-    if fake:
-        from torch._subclasses.fake_tensor import FakeTensorMode
-
-        mode = FakeTensorMode()
-    else:
-        mode = contextlib.nullcontext()
     meter = MemoryMeter(device)
-    with mode:
+    with FakeTensorMode() if fake else contextlib.nullcontext():
         torch.manual_seed(seed)
-        model = MiniMindForCausalLM(config) if fake else MiniMindForCausalLM(config).to(device)
-        opt = optimizers[optimizer]([p for p in model.parameters()])
+        model = MiniMindForCausalLM(config) if fake else MiniMindForCausalLM(config).to(device)  # fake: no .to
+        opt = _OPTIMIZERS[optimizer][1](list(model.parameters()))
         for p in model.parameters():
             p.grad = torch.zeros_like(p)
         opt.step()  # creates the optimizer states, as the first step of a run would
         opt.zero_grad(set_to_none=True)
-        x = torch.randint(0, config.vocab_size, (batch, seq), device=device)
+        x = torch.randint(0, config.vocab_size, (batch_size, seq_len), device=device)
         meter.reset_peak()
         with meter.track(model, opt, x):
             with torch.autocast(device.type, dtype=torch.float16 if amp == "fp16" else torch.bfloat16,
@@ -320,7 +274,6 @@ def measure_step_memory(config, batch: int, seq: int, amp: str = "off", optimize
             del logits
             opt.step()
             opt.zero_grad(set_to_none=True)
-        result = {"peak_bytes": int(meter.peak()), "current_bytes": int(meter.current()),
-                  "n_params": sum(p.numel() for p in model.parameters()), "batch": batch, "seq": seq, "amp": amp,
-                  "optimizer": optimizer, "device": device.type, "fake": fake}
-    return result
+        return {"peak_bytes": int(meter.peak()), "current_bytes": int(meter.current()),
+                "n_params": count_parameters(model)["total"], "batch_size": batch_size, "seq_len": seq_len,
+                "amp": amp, "optimizer": optimizer, "device": device.type, "fake": fake}

@@ -1,4 +1,4 @@
-"""The MiniMind2 language model in one file: config, RMSNorm, RoPE, GQA attention, SwiGLU, blocks, checkpoints.
+"""The MiniMind2 language model, built piece by piece in notebook 03_model: RMSNorm, RoPE, GQA, SwiGLU, checkpoints.
 
 Written to be read top to bottom (in the spirit of nanoGPT). The architecture and the parameter names are
 exactly MiniMind2's (see DESIGN.md), so a MiniMind ``.pth`` state dict loads with ``load_state_dict(strict=True)``
@@ -18,12 +18,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .data import IGNORE_INDEX
 from .fileio import atomic_open
 
-# ----------------------------------------------------------------------------------------------------------------
-# Configuration
 
-
+# ---- Configuration
 @dataclass
 class MiniMindConfig:
     """Hyper-parameters of a MiniMind model; the defaults are MiniMind2-small (25,829,888 parameters)."""
@@ -43,14 +42,10 @@ class MiniMindConfig:
         if self.intermediate_size is None:
             self.intermediate_size = 64 * math.ceil(int(self.hidden_size * 8 / 3) / 64)
         if self.hidden_size % self.num_attention_heads != 0:
-            raise ValueError(
-                f"hidden_size={self.hidden_size} is not divisible by num_attention_heads={self.num_attention_heads}"
-            )
+            raise ValueError(f"hidden_size={self.hidden_size} is not divisible by num_attention_heads={self.num_attention_heads}")
         if self.num_attention_heads % self.num_key_value_heads != 0:
-            raise ValueError(
-                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
-                f"num_key_value_heads={self.num_key_value_heads} (grouped-query attention needs whole groups)"
-            )
+            raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple of num_key_value_heads="
+                             f"{self.num_key_value_heads} (grouped-query attention needs whole groups)")
         if (self.hidden_size // self.num_attention_heads) % 2 != 0:
             raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
 
@@ -74,8 +69,7 @@ class MiniMindConfig:
     def from_dict(cls, d: dict) -> "MiniMindConfig":
         """Inverse of to_dict; unknown keys are an error (they would otherwise be silently ignored)."""
         known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
+        if unknown := sorted(set(d) - known):
             raise ValueError(f"unknown MiniMindConfig field(s) {unknown}; known fields: {sorted(known)}")
         return cls(**d)
 
@@ -92,10 +86,7 @@ PRESETS: dict[str, dict] = {
 }
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Building blocks
-
-
+# ---- Building blocks
 class RMSNorm(nn.Module):
     """Root-mean-square norm, computed in float32 and cast back before the gain (as MiniMind does)."""
 
@@ -142,9 +133,8 @@ def is_right_padded(attention_mask: torch.Tensor) -> bool:
     return bool((attention_mask[:, :-1] >= attention_mask[:, 1:]).all())
 
 
-def build_attention_mask(
-    attention_mask: torch.Tensor | None, batch: int, q_len: int, past_len: int, device: torch.device
-) -> torch.Tensor | None:
+def build_attention_mask(attention_mask: torch.Tensor | None, batch: int, q_len: int, past_len: int,
+                         device: torch.device) -> torch.Tensor | None:
     """The boolean (B, 1, T, past+T) mask for SDPA (True = may attend), or None when plain causal suffices.
 
     - no mask, or a padding mask that only pads on the right, and no cache: None (SDPA's is_causal=True is faster).
@@ -159,10 +149,8 @@ def build_attention_mask(
         mask = None
     elif attention_mask.dim() == 2:
         if attention_mask.shape != (batch, k_len):
-            raise ValueError(
-                f"padding attention_mask has shape {tuple(attention_mask.shape)}, expected (batch, past+seq) = "
-                f"({batch}, {k_len})"
-            )
+            raise ValueError(f"padding attention_mask has shape {tuple(attention_mask.shape)}, expected (batch, "
+                             f"past+seq) = ({batch}, {k_len})")
         if past_len == 0 and is_right_padded(attention_mask):
             # No padding, or only right padding (what the collators make): real tokens never see a pad under
             # plain causal attention, so SDPA's fast is_causal path is exact for every real token. Pad positions
@@ -173,15 +161,11 @@ def build_attention_mask(
         if attention_mask.dtype != torch.bool:
             raise ValueError(f"a 4-D attention_mask must be bool (True = may attend), got {attention_mask.dtype}")
         if attention_mask.shape[0] != batch or attention_mask.shape[-2:] != (q_len, k_len):
-            raise ValueError(
-                f"block attention_mask has shape {tuple(attention_mask.shape)}, expected "
-                f"({batch}, 1, {q_len}, {k_len})"
-            )
+            raise ValueError(f"block attention_mask has shape {tuple(attention_mask.shape)}, expected "
+                             f"({batch}, 1, {q_len}, {k_len})")
         return attention_mask | _eye_offset(q_len, k_len, past_len, device)  # pad rows attend to themselves
     else:
-        raise ValueError(
-            f"attention_mask must be (B, T) padding or (B, 1, T, T) bool, got shape {tuple(attention_mask.shape)}"
-        )
+        raise ValueError(f"attention_mask must be (B, T) padding or (B, 1, T, T) bool, got shape {tuple(attention_mask.shape)}")
     q_pos = torch.arange(past_len, k_len, device=device)[:, None]
     causal = torch.arange(k_len, device=device)[None, :] <= q_pos  # (T, K): query i sees keys 0..past+i
     allowed = causal if mask is None else causal & mask
@@ -198,10 +182,8 @@ class Attention(nn.Module):
 
     def __init__(self, config: MiniMindConfig):
         super().__init__()
-        self.n_heads = config.num_attention_heads
-        self.n_kv_heads = config.num_key_value_heads
+        self.n_heads, self.n_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
         self.n_rep = self.n_heads // self.n_kv_heads
-        self.head_dim = config.head_dim
         self.q_proj = nn.Linear(config.hidden_size, self.n_heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(config.hidden_size, self.n_kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(config.hidden_size, self.n_kv_heads * self.head_dim, bias=False)
@@ -217,18 +199,13 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(b, t, self.n_kv_heads, self.head_dim)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)  # before the transpose, as in MiniMind
         if past_key_value is not None:
-            k = torch.cat([past_key_value[0], k], dim=1)
-            v = torch.cat([past_key_value[1], v], dim=1)
+            k, v = torch.cat([past_key_value[0], k], dim=1), torch.cat([past_key_value[1], v], dim=1)
         present = (k, v) if use_cache else None
         # (B, H, T, D) for SDPA; the kv heads are repeated to match the query heads.
-        q = q.transpose(1, 2)
-        k = repeat_kv(k, self.n_rep).transpose(1, 2)
-        v = repeat_kv(v, self.n_rep).transpose(1, 2)
-        dropout_p = self.dropout if self.training else 0.0
-        if mask is None and past_key_value is None:
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
-        else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
+        q, k, v = q.transpose(1, 2), repeat_kv(k, self.n_rep).transpose(1, 2), repeat_kv(v, self.n_rep).transpose(1, 2)
+        # no mask and no cache: plain causal (the fast path); one cached new token may see every earlier key
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0,
+                                           is_causal=mask is None and past_key_value is None)
         y = y.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim)
         return self.resid_dropout(self.o_proj(y)), present
 
@@ -285,10 +262,8 @@ class MiniMindModel(nn.Module):
         past_len = past_key_values[0][0].shape[1] if past_key_values else 0
         if position_ids is None:
             if past_len + t > self.config.max_position_embeddings:
-                raise ValueError(
-                    f"sequence of {past_len + t} tokens exceeds max_position_embeddings="
-                    f"{self.config.max_position_embeddings}"
-                )
+                raise ValueError(f"sequence of {past_len + t} tokens exceeds max_position_embeddings="
+                                 f"{self.config.max_position_embeddings}")
             cos = self.freqs_cos[past_len : past_len + t]
             sin = self.freqs_sin[past_len : past_len + t]
         else:
@@ -296,10 +271,8 @@ class MiniMindModel(nn.Module):
             if position_ids.shape[-1] != t:
                 raise ValueError(f"position_ids has shape {tuple(position_ids.shape)}, expected (B, {t}) or ({t},)")
             if int(position_ids.max()) >= self.config.max_position_embeddings or int(position_ids.min()) < 0:
-                raise ValueError(
-                    f"position_ids range [{int(position_ids.min())}, {int(position_ids.max())}] is outside "
-                    f"[0, max_position_embeddings={self.config.max_position_embeddings})"
-                )
+                raise ValueError(f"position_ids range [{int(position_ids.min())}, {int(position_ids.max())}] is outside "
+                                 f"[0, max_position_embeddings={self.config.max_position_embeddings})")
             cos, sin = self.freqs_cos[position_ids], self.freqs_sin[position_ids]
         mask = build_attention_mask(attention_mask, b, t, past_len, input_ids.device)
         x = self.dropout(self.embed_tokens(input_ids))
@@ -327,9 +300,9 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean")
     if logits.shape[:2] != labels.shape:
         raise ValueError(f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)} disagree on (B, T)")
     # Shift the labels, not the logits: slicing logits[:, :-1] and flattening would copy all B*T*V of them.
-    # The last position has no next token, so it gets the ignored label -100.
-    targets = F.pad(labels[:, 1:], (0, 1), value=-100).reshape(-1)
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets, ignore_index=-100,
+    # The last position has no next token, so it gets the ignored label.
+    targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX).reshape(-1)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets, ignore_index=IGNORE_INDEX,
                            reduction=reduction)
 
 
@@ -350,16 +323,9 @@ class MiniMindForCausalLM(nn.Module):
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        labels: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.Tensor | None = None,
-        past_key_values: list | None = None,
-        use_cache: bool = False,
-        logits_to_keep: int = 0,
-    ) -> CausalLMOutput:
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                past_key_values: list | None = None, use_cache: bool = False, logits_to_keep: int = 0) -> CausalLMOutput:
         """Logits (B, T, V); loss (mean over non -100 shifted labels) when labels are given; KV cache if asked."""
         h, presents = self.model(input_ids, attention_mask, position_ids, past_key_values, use_cache)
         if logits_to_keep:  # generation only needs the last position(s)
@@ -369,28 +335,16 @@ class MiniMindForCausalLM(nn.Module):
         return CausalLMOutput(logits=logits, loss=loss, past_key_values=presents)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Parameter counting
+# ---- Parameter counting
+_PARTS = (("embed_tokens", "embeddings"), ("lm_head", "embeddings"), ("self_attn", "attention"), (".mlp.", "mlp"),
+          ("norm", "norms"))
 
 
 def count_parameters(model: nn.Module) -> dict:
     """Unique parameters per component: embeddings (tied with lm_head), attention, mlp, norms, total."""
     counts = {"embeddings": 0, "attention": 0, "mlp": 0, "norms": 0, "other": 0}
-    seen = set()
-    for name, p in model.named_parameters():  # named_parameters already yields a tied weight once
-        if id(p) in seen:
-            continue
-        seen.add(id(p))
-        if "embed_tokens" in name or "lm_head" in name:
-            part = "embeddings"
-        elif "self_attn" in name:
-            part = "attention"
-        elif ".mlp." in name:
-            part = "mlp"
-        elif "norm" in name:
-            part = "norms"
-        else:
-            part = "other"
+    for name, p in model.named_parameters():  # named_parameters yields a tied weight once
+        part = next((part for key, part in _PARTS if key in name), "other")
         counts[part] += p.numel()
     if counts["other"] == 0:
         del counts["other"]
@@ -398,9 +352,7 @@ def count_parameters(model: nn.Module) -> dict:
     return counts
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Checkpoints (a checkpoint is untrusted input: weights_only=True, never arbitrary unpickling)
-
+# ---- Checkpoints (a checkpoint is untrusted input: weights_only=True, never arbitrary unpickling)
 _STRIP_PREFIXES = ("module.", "_orig_mod.")  # added by DistributedDataParallel and torch.compile
 _ROTARY_KEYS = ("model.freqs_cos", "model.freqs_sin", "freqs_cos", "freqs_sin")  # recomputed, never loaded
 
@@ -416,22 +368,18 @@ def save_checkpoint(state_dict_or_model, path) -> Path:
 
 def _clean_state_dict(state: dict, path) -> dict:
     """Strip DDP/compile prefixes and rotary buffers, refill a missing tied lm_head; warn about each change."""
-    is_training_checkpoint = isinstance(state.get("model"), dict) and not any(
-        isinstance(v, torch.Tensor) for v in state.values())
-    if is_training_checkpoint:
+    if isinstance(state.get("model"), dict) and not any(isinstance(v, torch.Tensor) for v in state.values()):
         warnings.warn(f"{path}: a training checkpoint; using its 'model' entry", stacklevel=3)
         state = state["model"]
     stripped = True
     while stripped:  # prefixes can nest in either order: module._orig_mod.x, _orig_mod.module.x
         stripped = False
         for prefix in _STRIP_PREFIXES:
-            n = sum(k.startswith(prefix) for k in state)
-            if n:
+            if n := sum(k.startswith(prefix) for k in state):
                 warnings.warn(f"{path}: stripped prefix {prefix!r} from {n} keys (DDP / torch.compile)", stacklevel=3)
                 state = {(k[len(prefix):] if k.startswith(prefix) else k): v for k, v in state.items()}
                 stripped = True
-    dropped = [k for k in state if k in _ROTARY_KEYS]
-    if dropped:
+    if dropped := [k for k in state if k in _ROTARY_KEYS]:
         warnings.warn(f"{path}: ignored rotary tables {dropped} (recomputed from the config)", stacklevel=3)
         state = {k: v for k, v in state.items() if k not in _ROTARY_KEYS}
     if "lm_head.weight" not in state and "model.embed_tokens.weight" in state:
@@ -446,10 +394,8 @@ def check_state_dict(state: dict, model: nn.Module, path="state dict") -> None:
     emb = state.get("model.embed_tokens.weight")
     vocab = expected["model.embed_tokens.weight"].shape[0]
     if isinstance(emb, torch.Tensor) and emb.dim() == 2 and emb.shape[0] != vocab:
-        raise ValueError(
-            f"{path}: vocab size mismatch: checkpoint has {emb.shape[0]} tokens (model.embed_tokens.weight "
-            f"{list(emb.shape)}), the model has vocab_size={vocab}"
-        )
+        raise ValueError(f"{path}: vocab size mismatch: checkpoint has {emb.shape[0]} tokens (model.embed_tokens.weight "
+                         f"{list(emb.shape)}), the model has vocab_size={vocab}")
     for key in expected:
         if key not in state:
             raise ValueError(f"{path}: missing key {key!r} (and {sum(k not in state for k in expected) - 1} more)")
@@ -465,10 +411,8 @@ def check_state_dict(state: dict, model: nn.Module, path="state dict") -> None:
 
 
 def load_checkpoint(path, model: nn.Module | None = None, map_location="cpu") -> dict:
-    """Load a state dict (ours or MiniMind's bare .pth) with weights_only=True; load it strictly into `model` if given.
-
-    Returns the cleaned state dict. Prefixes 'module.' / '_orig_mod.' are stripped with a warning.
-    """
+    """The cleaned state dict of a checkpoint (ours or MiniMind's .pth), read with weights_only=True; loaded
+    strictly into `model` if given. DDP / torch.compile prefixes are stripped with a warning."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint not found: {path}")

@@ -1,4 +1,4 @@
-"""Where the course's files live: the repository's data/ folder and the package's bundled assets."""
+"""Where the course's files live (notebook 00_setup): the repository's data/ folder and the bundled assets."""
 
 from __future__ import annotations
 

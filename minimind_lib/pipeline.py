@@ -22,6 +22,7 @@ init checkpoint, resume checkpoint and its config) is validated before the first
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -177,13 +178,13 @@ def _loader(ds, max_tokens: int, seq_len: int, pad_id: int, seed: int, shuffle: 
     from torch.utils.data import DataLoader
 
     from .batching import TokenBudgetBatchSampler
-    from .data import make_collator
+    from .data import pad_collate
 
     if max_tokens < seq_len:
         raise RunError(f"max_tokens={max_tokens} is smaller than seq_len={seq_len}: a full-length sample would not "
                        f"fit one micro-batch; raise --max-tokens or lower the sequence length")
     sampler = TokenBudgetBatchSampler(ds.lengths, max_tokens, shuffle=shuffle, seed=seed, max_len=seq_len)
-    return DataLoader(ds, batch_sampler=sampler, collate_fn=make_collator("longest", pad_id=pad_id),
+    return DataLoader(ds, batch_sampler=sampler, collate_fn=functools.partial(pad_collate, pad_id=pad_id),
                       pin_memory=pin_memory), sampler
 
 

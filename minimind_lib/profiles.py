@@ -1,8 +1,7 @@
-"""Profiles: how big every experiment in the course is, chosen once, in one place.
+"""Profiles, shown in notebook 00_setup: how big every experiment in the course is, chosen once, in one place.
 
-A profile is data. Notebooks and the CLI read sizes from it and never hard-code them,
-so the same notebook runs in seconds in CI (``smoke``), in minutes on a laptop (``cpu``)
-and as the real MiniMind2-small on a GPU (``gpu``).
+A profile is data: notebooks and the CLI read their sizes from it, so the same notebook runs in seconds in CI
+(``smoke``), in minutes on a laptop (``cpu``) and as the real MiniMind2-small on a GPU (``gpu``).
 """
 
 from __future__ import annotations
@@ -59,18 +58,13 @@ PROFILES: dict[str, Profile] = {
 def select_profile_name(env: dict[str, str] | None = None, cuda_available: bool | None = None) -> str:
     """Name of the profile to use: MINIMIND_PROFILE, else smoke under CI, else gpu with CUDA, else cpu."""
     env = os.environ if env is None else env
-    requested = env.get("MINIMIND_PROFILE", "").strip().lower()
-    if requested:
+    if requested := env.get("MINIMIND_PROFILE", "").strip().lower():
         if requested not in PROFILES:
-            raise ValueError(
-                f"MINIMIND_PROFILE={requested!r} is not a profile; choose one of {sorted(PROFILES)}"
-            )
+            raise ValueError(f"MINIMIND_PROFILE={requested!r} is not a profile; choose one of {sorted(PROFILES)}")
         return requested
     if env.get("CI", "").strip().lower() not in ("", "0", "false", "no"):
         return "smoke"
-    if cuda_available is None:
-        cuda_available = torch.cuda.is_available()
-    return "gpu" if cuda_available else "cpu"
+    return "gpu" if (torch.cuda.is_available() if cuda_available is None else cuda_available) else "cpu"
 
 
 def get_profile(name: str | None = None, **overrides) -> Profile:
@@ -78,5 +72,4 @@ def get_profile(name: str | None = None, **overrides) -> Profile:
     name = select_profile_name() if name is None else name
     if name not in PROFILES:
         raise ValueError(f"unknown profile {name!r}; choose one of {sorted(PROFILES)}")
-    profile = PROFILES[name]
-    return replace(profile, **overrides) if overrides else profile
+    return replace(PROFILES[name], **overrides) if overrides else PROFILES[name]

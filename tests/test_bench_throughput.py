@@ -195,3 +195,22 @@ def test_compile_failure_at_first_step_falls_back_to_eager(monkeypatch):
     monkeypatch.setattr(T, "try_compile", lambda model, device, dynamic=None: (Broken(), "compiled"))
     r = T.main(TINY + ["--compile", "--no-memory"])
     assert r["compile"] == "compile unavailable: RuntimeError: backend exploded" and r["tokens_per_s"] > 0
+
+
+def test_measure_dataloader_reports_samples_per_s(tmp_path):
+    # moved from tests/test_data.py with measure_dataloader (a benchmark harness, not library code)
+    import functools
+    import warnings
+
+    from minimind_lib.data import PretrainDataset, pad_collate
+    from minimind_lib.tokenizer import Tokenizer
+
+    texts = ["To be, or not to be, that is the question.", "床前明月光，疑是地上霜。", "Hello there! How can I help?"] * 4
+    tok = Tokenizer.train(texts, vocab_size=300)
+    path = tmp_path / "pre.jsonl"
+    path.write_text("".join(json.dumps({"text": t}, ensure_ascii=False) + "\n" for t in texts), encoding="utf-8")
+    ds = PretrainDataset(path, tok, 32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no TOKENIZERS_PARALLELISM fork warning or similar
+        r = T.measure_dataloader(ds, functools.partial(pad_collate, pad_id=tok.pad_token_id), batch_size=4, epochs=1)
+    assert r["samples"] == len(ds) and r["samples_per_s"] > 0 and r["pin_memory"] == torch.cuda.is_available()

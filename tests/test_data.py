@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import pickle
 import time
-import warnings
 
 import numpy as np
 import pytest
@@ -387,7 +387,7 @@ def test_memmap_dataset_opens_lazily_and_pickles_without_mapping(tmp_path, pre_p
     clone = pickle.loads(pickle.dumps(mm))
     assert clone._tokens is None and torch.equal(clone[0]["input_ids"], first["input_ids"])
     loader = torch.utils.data.DataLoader(mm, batch_size=4, num_workers=1,
-                                         collate_fn=D.make_collator("longest", tok.pad_token_id))
+                                         collate_fn=functools.partial(D.pad_collate, pad_id=tok.pad_token_id))
     assert sum(b["input_ids"].shape[0] for b in loader) == len(mm)
 
 
@@ -398,7 +398,7 @@ def _samples(lengths):
     return [{"input_ids": torch.arange(1, n + 1), "labels": torch.arange(1, n + 1)} for n in lengths]
 
 
-def test_pad_to_max_length_and_longest():
+def test_pad_collate_fixed_and_longest():
     batch = _samples([3, 5, 2])
     fixed = D.pad_collate(batch, pad_id=0, seq_len=8, fixed=True)
     longest = D.pad_collate(batch, pad_id=0)
@@ -417,27 +417,15 @@ def test_pad_to_max_length_and_longest():
 
 
 def test_collator_errors():
-    with pytest.raises(ValueError, match="sample 1 has 5 tokens, more than the padded length 4"):
-        D.pad_to_max_length(_samples([3, 5]), 4)
-    with pytest.raises(ValueError, match="empty batch"):
-        D.pad_to_longest([])
-    with pytest.raises(ValueError, match="strategy='max_length' needs max_length"):
-        D.make_collator("max_length")
-    with pytest.raises(ValueError, match="strategy='pack' is not valid"):
-        D.make_collator("pack")
+    with pytest.raises(ValueError, match="pad_collate got an empty list of samples"):
+        D.pad_collate([])
+    with pytest.raises(ValueError, match=r"pad_collate\(fixed=True\) needs seq_len"):
+        D.pad_collate(_samples([3]), fixed=True)
 
 
-def test_make_collator_is_picklable():
-    fn = pickle.loads(pickle.dumps(D.make_collator("max_length", pad_id=0, max_length=6)))
+def test_pad_collate_is_picklable():
+    fn = pickle.loads(pickle.dumps(functools.partial(D.pad_collate, pad_id=0, seq_len=6, fixed=True)))
     assert fn(_samples([2, 3]))["input_ids"].shape == (2, 6)
-
-
-def test_measure_dataloader_reports_samples_per_s(pre_path, tok):
-    ds = D.PretrainDataset(pre_path, tok, 32)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # no TOKENIZERS_PARALLELISM fork warning or similar
-        r = D.measure_dataloader(ds, D.make_collator("longest", tok.pad_token_id), batch_size=4, epochs=1)
-    assert r["samples"] == len(ds) and r["samples_per_s"] > 0 and r["pin_memory"] == torch.cuda.is_available()
 
 
 def test_missing_source_names_both_options(tmp_path, tok):

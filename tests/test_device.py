@@ -23,16 +23,16 @@ def test_report_has_the_promised_fields():
 
 def test_cpu_bf16_native_follows_the_cpu_flags(monkeypatch, tmp_path):
     # bf16_native must come from the CPU's instruction flags, not from "autocast runs" (it always runs).
-    dev.cpu_has_native_bf16.cache_clear()
+    dev.cpu_has_native.cache_clear()
     fake = tmp_path / "cpuinfo"
     fake.write_text("model name\t: Test CPU\nflags\t\t: fpu sse2 avx2 avx512f\n")
     real_open = open
     monkeypatch.setattr("builtins.open", lambda p, *a, **k: real_open(fake if p == "/proc/cpuinfo" else p, *a, **k))
-    assert dev.cpu_has_native_bf16() is False
-    dev.cpu_has_native_bf16.cache_clear()
+    assert dev.cpu_has_native(torch.bfloat16) is False and dev.bf16_native(torch.device("cpu")) is False
+    dev.cpu_has_native.cache_clear()
     fake.write_text("model name\t: Test CPU\nflags\t\t: fpu avx512f avx512_bf16\n")
-    assert dev.cpu_has_native_bf16() is True
-    dev.cpu_has_native_bf16.cache_clear()
+    assert dev.cpu_has_native(torch.bfloat16) is True and dev.cpu_has_native(torch.float16) is False
+    dev.cpu_has_native.cache_clear()
 
 
 def test_get_device_prefers_explicit_choice(monkeypatch):
@@ -60,12 +60,11 @@ def test_cli_bad_profile_exits_nonzero_with_message():
     assert "unknown profile 'huge'" in proc.stderr
 
 
-def test_memory_fraction_and_its_errors():
-    assert dev.memory_fraction_for(24 * 2**30, 96 * 2**30) == 0.25
-    import pytest
-
-    with pytest.raises(ValueError, match="cannot emulate 48.0 GiB on a device with 24.0 GiB"):
-        dev.memory_fraction_for(48 * 2**30, 24 * 2**30)
-    with pytest.raises(ValueError, match="must be positive"):
-        dev.memory_fraction_for(0, 24 * 2**30)
-    assert dev.emulate_gpu_memory(2**30, torch.device("cpu")) is None
+def test_fp16_report_agrees_with_what_autocast_does():
+    # notebook 05 runs fp16 autocast on the CPU: the report must say it runs, and whether the hardware has fp16 math
+    report = dev.device_report(torch.device("cpu"), get_profile("smoke"))
+    with torch.autocast("cpu", dtype=torch.float16):
+        ran = (torch.ones(4, 4) @ torch.ones(4, 4)).dtype == torch.float16
+    assert report["fp16_supported"] is ran is True
+    assert report["fp16_native"] == dev.cpu_has_native(torch.float16)
+    assert report["bf16_supported"] is True and report["bf16_native"] == dev.cpu_has_native(torch.bfloat16)

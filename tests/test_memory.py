@@ -104,7 +104,7 @@ def test_bad_arguments():
         estimate_memory(cfg, 1, 8, amp="fp8")
     with pytest.raises(ValueError, match="optimizer must be one of"):
         estimate_memory(cfg, 1, 8, optimizer="lion")
-    with pytest.raises(ValueError, match="batch and seq must be positive"):
+    with pytest.raises(ValueError, match="batch_size and seq_len must be positive"):
         estimate_memory(cfg, 0, 8)
 
 
@@ -120,8 +120,8 @@ def test_fake_tensor_measurement_equals_real_on_cpu():
     from minimind_lib.memory import measure_step_memory
 
     cfg = MiniMindConfig.preset("smoke")
-    real = measure_step_memory(cfg, batch=2, seq=32)
-    fake = measure_step_memory(cfg, batch=2, seq=32, fake=True)
+    real = measure_step_memory(cfg, batch_size=2, seq_len=32)
+    fake = measure_step_memory(cfg, batch_size=2, seq_len=32, fake=True)
     assert real["peak_bytes"] == fake["peak_bytes"]
     assert real["current_bytes"] == fake["current_bytes"]
     est = estimate_memory(cfg, 2, 32)

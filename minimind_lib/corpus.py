@@ -1,0 +1,415 @@
+"""MiniMind's jsonl files, built in notebook 02_data: read and validated line by line, tokenized once into memmaps.
+
+``read_jsonl`` validates MiniMind's pretrain ``{"text"}`` and SFT ``{"conversations"}`` lines, with errors naming
+file:line; ``encode_pretrain`` / ``encode_sft`` turn one record into token ids (and, for SFT, the mask of the
+assistant's tokens); ``tokenize_to_memmap`` streams a whole file through worker processes into uint16 token
+files, once: the cache is rebuilt only when the source file, the tokenizer or the settings change.
+``minimind_lib.data`` builds datasets and batches on top (and re-exports these names).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import functools
+import hashlib
+import itertools
+import json
+import multiprocessing
+import os
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+import torch
+from tqdm import tqdm  # a text bar: an executed notebook keeps its final state, not a widget's first
+
+from .fileio import atomic_open, atomic_write_text
+from .tokenizer import ROLES
+
+KINDS = ("pretrain", "sft")
+PAYLOAD = {"pretrain": "text", "sft": "conversations"}  # the key of a record that holds its sample
+ON_ERROR = ("raise", "skip")
+MEMMAP_FORMAT_VERSION = 1
+MAX_UINT16_VOCAB = 65535  # uint16 stores ids 0..65535, so a vocab of at most 65536 entries; we keep one margin id
+_MAX_EXAMPLES = 5  # how many skipped-line messages to keep for reports
+
+
+class DataFormatError(ValueError):
+    """A jsonl line that is not valid JSON or does not match the expected schema (message names file:line)."""
+
+
+def check_choice(name: str, value: str, choices: Sequence[str]) -> None:
+    """Raise ValueError naming the argument and the valid choices unless `value` is one of them."""
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} is not valid; choose one of {list(choices)}")
+
+
+def _check_text(text: Any, where: str, allow_blank: bool = False) -> None:
+    if not isinstance(text, str):
+        raise ValueError(f"{where} must be a string, got {type(text).__name__}")
+    if not allow_blank and not text.strip():
+        raise ValueError(f"{where} is empty ({text!r}): nothing to train on")
+    try:  # JSON may spell lone surrogates ("\\ud800"), which have no UTF-8 bytes and so no tokens
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{where} holds a lone surrogate {text[e.start]!r} at index {e.start} (not valid Unicode)") from None
+
+
+def _validate_sft(conv: Any) -> None:
+    if not isinstance(conv, list) or not conv:
+        raise ValueError(f"key 'conversations' must be a non-empty list, got {conv!r:.80}")
+    for t, turn in enumerate(conv):
+        if not isinstance(turn, dict):
+            raise ValueError(f"conversations[{t}] must be an object, got {turn!r:.80}")
+        for key in ("role", "content"):
+            if key not in turn:
+                raise ValueError(f"conversations[{t}] is missing key {key!r}; keys: {sorted(turn)}")
+        if turn["role"] not in ROLES:
+            raise ValueError(f"conversations[{t}]['role'] = {turn['role']!r} is not one of {list(ROLES)}")
+        if turn["role"] == "system" and t != 0:
+            raise ValueError(f"conversations[{t}] is a 'system' turn; only the first turn may be one")
+        _check_text(turn["content"], f"conversations[{t}]['content']", allow_blank=turn["role"] != "assistant")
+    if not any(turn["role"] == "assistant" for turn in conv):
+        raise ValueError("conversations has no 'assistant' turn, so nothing would be trained")
+
+
+def validate_record(record: Any, kind: str) -> None:
+    """Raise ValueError (message naming the key and value) unless `record` is a valid `kind` sample."""
+    check_choice("kind", kind, KINDS)
+    if not isinstance(record, dict):
+        raise ValueError(f"expected a JSON object, got {type(record).__name__}")
+    example = '{"text": "..."}' if kind == "pretrain" else '{"conversations": [{"role": "user", "content": "..."}, ...]}'
+    if PAYLOAD[kind] not in record:
+        raise ValueError(f"missing key {PAYLOAD[kind]!r} ({kind} lines look like {example}); keys: {sorted(record)}")
+    if kind == "pretrain":
+        _check_text(record["text"], "key 'text'")
+    else:
+        _validate_sft(record["conversations"])
+
+
+def _parse_line(raw: bytes, kind: str | None) -> Any:
+    """Parse one jsonl line and validate it; raises ValueError with a message that lacks only the location."""
+    raw = raw.rstrip(b"\r\n")  # so an error's column is on this line, not "column 1" of the next
+    try:
+        record = json.loads(raw)
+    except UnicodeDecodeError as e:
+        raise ValueError(f"not valid UTF-8 ({e.reason} at byte {e.start})") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"malformed JSON ({e.msg} at column {e.colno}): {raw.decode('utf-8', 'replace')[:80]!r}") from None
+    if kind is not None:
+        validate_record(record, kind)
+    return record
+
+
+class JsonlReader:
+    """An iterable over the records of a jsonl file, counting the lines it read, skipped and found blank."""
+
+    def __init__(self, path: str | os.PathLike, on_error: str = "raise", kind: str | None = None,
+                 max_samples: int | None = None, warn: bool = True):
+        check_choice("on_error", on_error, ON_ERROR)
+        if kind is not None:
+            check_choice("kind", kind, KINDS)
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise FileNotFoundError(f"jsonl file not found: {self.path}")
+        self.on_error, self.kind, self.max_samples, self.warn = on_error, kind, max_samples, warn
+        self.n_lines = self.n_records = self.n_blank = self.n_skipped = self.n_bytes = 0  # blank lines hold no sample
+        self.skipped_examples: list[str] = []  # the first few "file:line: reason" messages
+
+    def __iter__(self) -> Iterator[Any]:
+        with open(self.path, "rb") as f:
+            for lineno, raw in enumerate(f, start=1):
+                if self.max_samples is not None and self.n_records >= self.max_samples:
+                    break
+                self.n_lines, self.n_bytes = lineno, self.n_bytes + len(raw)
+                if not raw.strip():
+                    self.n_blank += 1
+                    continue
+                try:
+                    record = _parse_line(raw, self.kind)
+                except ValueError as e:
+                    message = f"{self.path}:{lineno}: {e}"
+                    if self.on_error == "raise":
+                        raise DataFormatError(message + "  (pass on_error='skip' to skip and count such lines)") from None
+                    self.n_skipped += 1
+                    self.skipped_examples += [message][:_MAX_EXAMPLES - len(self.skipped_examples)]
+                    continue
+                self.n_records += 1
+                yield record
+        if self.n_skipped and self.warn:
+            warnings.warn(self.report(), stacklevel=2)
+
+    def report(self) -> str:
+        """One line saying what was read and skipped."""
+        s = f"{self.path}: read {self.n_records} records from {self.n_lines} lines, skipped {self.n_skipped} lines"
+        return s + (f" (first: {self.skipped_examples[0]})" if self.skipped_examples else "")
+
+    def counts(self) -> dict:
+        """What a dataset's stats report about the reading: skipped and blank lines."""
+        return {"n_skipped": self.n_skipped, "n_blank": self.n_blank, "skipped_examples": list(self.skipped_examples)}
+
+
+def read_jsonl(path: str | os.PathLike, on_error: str = "raise", kind: str | None = None,
+               max_samples: int | None = None) -> JsonlReader:
+    """Iterate a jsonl file's records: on_error='raise' stops at the first bad line (file:line), 'skip' counts them."""
+    return JsonlReader(path, on_error=on_error, kind=kind, max_samples=max_samples)
+
+
+def encode_pretrain(tokenizer, text: str) -> np.ndarray:
+    """A pretrain sample, MiniMind style: [bos] + tokens(text) + [eos], untruncated, as int64."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return np.asarray([tokenizer.bos_token_id, *ids, tokenizer.eos_token_id], dtype=np.int64)
+
+
+@functools.lru_cache(maxsize=8)
+def _assistant_header(tokenizer) -> tuple[int, ...]:
+    # the ids of "assistant\n" as they usually appear after <|im_start|>; a fast path for assistant_mask
+    return tuple(tokenizer.encode("assistant\n", add_special_tokens=False))
+
+
+def _read_role(tokenizer, ids: list[int], i: int) -> tuple[str, int]:
+    """The role named after the <|im_start|> at ids[i], and the index where that turn's content starts."""
+    header = _assistant_header(tokenizer)
+    if tuple(ids[i + 1:i + 1 + len(header)]) == header:
+        return "assistant", i + 1 + len(header)
+    j, text = i + 1, ""  # slow path: decode the header token by token until its "\n"
+    while j < len(ids) and "\n" not in text and ids[j] not in (tokenizer.bos_token_id, tokenizer.eos_token_id):
+        j += 1
+        text = tokenizer.decode(ids[i + 1:j])
+    # if the last header token also carries content (e.g. "\n\n" merged), that token is trained
+    return text.split("\n", 1)[0], (j if text.endswith("\n") and text.count("\n") == 1 else j - 1)
+
+
+def assistant_mask(tokenizer, ids: Sequence[int]) -> np.ndarray:
+    """uint8 mask over a chat-template token sequence: 1 on every assistant turn's content and its <|im_end|>.
+
+    The header ``<|im_start|>assistant\\n`` and the ``\\n`` after ``<|im_end|>`` are not trained (MiniMind's
+    ``generate_labels`` does train that ``\\n``; it is never generated because generation stops at <|im_end|>).
+    Special tokens are atomic, so we anchor on them and decode only the few role tokens after <|im_start|>."""
+    ids = [int(i) for i in ids]
+    n, bos, eos = len(ids), tokenizer.bos_token_id, tokenizer.eos_token_id
+    mask, i = np.zeros(n, dtype=np.uint8), 0
+    while i < n:
+        if ids[i] != bos:
+            i += 1
+            continue
+        role, start = _read_role(tokenizer, ids, i)
+        end = start
+        while end < n and ids[end] not in (bos, eos):
+            end += 1
+        if role == "assistant":
+            mask[start:min(end + 1, n)] = 1  # content + <|im_end|> (end is its index when present)
+        i = end if end < n and ids[end] == bos else end + 1
+    return mask
+
+
+def encode_sft(tokenizer, conversations: list[dict]) -> tuple[np.ndarray, np.ndarray]:
+    """An SFT sample: the chat template's token ids (int64) and its assistant mask (uint8), untruncated."""
+    messages = [{"role": t["role"], "content": t["content"]} for t in conversations]
+    # tokenize=True: the template's structure comes from ids, so "<|im_end|>" typed inside content stays text
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=False, tokenize=True)
+    if isinstance(ids, str):  # a tokenizer whose template only renders text
+        ids = tokenizer.encode(ids, add_special_tokens=False)
+    ids = np.asarray(ids, dtype=np.int64)
+    return ids, assistant_mask(tokenizer, ids)
+
+
+_WORKER: dict[str, Any] = {}  # worker-process state: the tokenizer is sent once per worker, not once per chunk
+
+
+def _init_worker(tokenizer) -> None:
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core already; no nested Rust threads
+    torch.set_num_threads(1)
+    _WORKER["tok"] = tokenizer
+
+
+def tokenize_samples(kind: str, payloads: list, tokenizer=None) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """Flat int64 ids, per-sample lengths and (SFT) the flat uint8 trained-token mask of a chunk of samples."""
+    tok = tokenizer if tokenizer is not None else _WORKER["tok"]
+    if kind == "pretrain":  # the Rust tokenizer encodes a batch in parallel
+        encoded = tok.encode_batch(payloads) if hasattr(tok, "encode_batch") else [tok.encode(t, add_special_tokens=False) for t in payloads]
+        seqs, masks = [[tok.bos_token_id, *ids, tok.eos_token_id] for ids in encoded], None
+    else:
+        seqs, masks = zip(*[encode_sft(tok, c) for c in payloads]) if payloads else ([], [])
+    lengths = np.asarray([len(s) for s in seqs], dtype=np.int64)
+    flat = np.fromiter(itertools.chain.from_iterable(seqs), dtype=np.int64, count=int(lengths.sum()))
+    return flat, lengths, (np.concatenate([np.zeros(0, np.uint8), *masks]) if kind == "sft" else None)
+
+
+@contextlib.contextmanager
+def tokenizers_parallelism_off() -> Iterator[None]:
+    """Set TOKENIZERS_PARALLELISM=false while processes fork (HF tokenizers would warn and could deadlock)."""
+    old = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = old
+
+
+def tokenize_reader(reader: JsonlReader, tokenizer, chunk_size: int, num_workers: int) -> Iterator[tuple]:
+    """tokenize_samples of the reader's samples, chunk by chunk in file order, here or in `num_workers` processes."""
+    payloads = (record[PAYLOAD[reader.kind]] for record in reader)
+    chunks = iter(lambda: list(itertools.islice(payloads, chunk_size)), [])
+    if num_workers == 0:
+        yield from (tokenize_samples(reader.kind, chunk, tokenizer) for chunk in chunks)
+        return
+    with tokenizers_parallelism_off():
+        pool = multiprocessing.get_context().Pool(num_workers, initializer=_init_worker, initargs=(tokenizer,))
+    try:  # a bounded number of chunks in flight: Pool.imap would read the whole file ahead into memory
+        pending: collections.deque = collections.deque()
+        for chunk in chunks:
+            pending.append(pool.apply_async(tokenize_samples, (reader.kind, chunk)))
+            if len(pending) >= 2 * num_workers:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
+    finally:  # also when the consumer stops early (an error): no worker outlives the call
+        pool.terminate()
+        pool.join()
+
+
+@dataclass
+class MemmapInfo:
+    """What tokenize_to_memmap wrote (or found fresh and reused)."""
+
+    prefix: str
+    kind: str
+    n_samples: int
+    n_tokens: int
+    n_skipped: int
+    n_blank: int
+    reused: bool  # True: an up-to-date cache was found and nothing was tokenized
+    seconds: float
+    num_workers: int
+    skipped_examples: list[str] = field(default_factory=list)
+
+    @property
+    def files(self) -> list[str]:
+        """The files of this memmap."""
+        return [self.prefix + e for e in [".bin", ".idx.npy", ".json"] + ([".mask.bin"] if self.kind == "sft" else [])]
+
+
+_PROBE_TEXT = "Hello, world! 你好，世界。 The quick brown fox 123 \n\t émoji 🙂"
+_PROBE_CHAT = [{"role": "system", "content": "s"}, {"role": "user", "content": "u?"}, {"role": "assistant", "content": "a."}]
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """A short hash that changes when the tokenizer (vocab, merges, special ids or chat template) changes."""
+    h = hashlib.sha256()
+    candidates = [tokenizer] + [getattr(tokenizer, a, None) for a in ("backend", "backend_tokenizer", "_tokenizer", "hf")]
+    backend = next((c for c in candidates if hasattr(c, "to_str")), None)
+    if backend is not None:
+        h.update(backend.to_str().encode())
+    h.update(json.dumps([int(tokenizer.vocab_size), tokenizer.bos_token_id, tokenizer.eos_token_id,
+                         tokenizer.pad_token_id, list(tokenizer.encode(_PROBE_TEXT, add_special_tokens=False))]).encode())
+    with contextlib.suppress(Exception):  # a tokenizer without a chat template is fine for pretrain data
+        h.update(tokenizer.apply_chat_template(_PROBE_CHAT, tokenize=False).encode())
+    return h.hexdigest()[:16]
+
+
+def _cache_key(jsonl_path: str | os.PathLike, tokenizer, kind: str, max_samples: int | None, on_error: str) -> dict:
+    """What a cache was built from; a cache whose key differs from the current one is stale and rebuilt."""
+    st = Path(jsonl_path).stat()
+    return {"format": "minimind-memmap", "version": MEMMAP_FORMAT_VERSION, "kind": kind,
+            "source": {"path": str(Path(jsonl_path).resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns},
+            "tokenizer": {"fingerprint": tokenizer_fingerprint(tokenizer), "vocab_size": int(tokenizer.vocab_size)},
+            "max_samples": max_samples, "on_error": on_error}
+
+
+def memmap_is_fresh(out_prefix: str | os.PathLike, jsonl_path: str | os.PathLike, tokenizer, kind: str = "pretrain",
+                    max_samples: int | None = None, on_error: str = "raise") -> tuple[bool, str]:
+    """(fresh, reason): whether the memmap at out_prefix matches this source file, tokenizer and settings."""
+    prefix, meta_path = str(out_prefix), Path(str(out_prefix) + ".json")
+    if not meta_path.is_file():
+        return False, "no cache yet"
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        return False, f"unreadable metadata ({e})"
+    for key, value in _cache_key(jsonl_path, tokenizer, kind, max_samples, on_error).items():
+        if meta.get(key) != value:
+            return False, f"{key} changed (cache: {meta.get(key)!r:.120}, now: {value!r:.120})"
+    sizes = {".bin": 2 * meta["n_tokens"], ".idx.npy": None, **({".mask.bin": meta["n_tokens"]} if kind == "sft" else {})}
+    for ext, size in sizes.items():
+        p = Path(prefix + ext)
+        if not p.is_file() or (size is not None and p.stat().st_size != size):
+            return False, f"{p.name} missing or of the wrong size"
+    return True, "up to date"
+
+
+def default_num_workers() -> int:
+    """Worker processes for tokenize_to_memmap: one per core, at most 8 (notebook 02 measures them)."""
+    # processes also parallelize the Python side (chat template, SFT mask), which Rust threads cannot
+    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(n, 8))
+
+
+def _memmap_info(prefix: str, reused: bool, seconds: float, num_workers: int) -> MemmapInfo:
+    meta = json.loads(Path(prefix + ".json").read_text())
+    return MemmapInfo(prefix, meta["kind"], meta["n_samples"], meta["n_tokens"], meta["n_skipped"], meta["n_blank"],
+                      reused, seconds, num_workers, meta.get("skipped_examples", []))
+
+
+def tokenize_to_memmap(jsonl_path: str | os.PathLike, tokenizer, out_prefix: str | os.PathLike,
+                       num_workers: int | None = None, kind: str = "pretrain", chunk_size: int = 512,
+                       on_error: str = "raise", max_samples: int | None = None, force: bool = False,
+                       progress: bool = True) -> MemmapInfo:
+    """Tokenize a jsonl file once into `<prefix>.bin` (uint16 ids), `.idx.npy` (int64 offsets, n+1), `.mask.bin`
+    (SFT: uint8 trained-token mask) and `.json` (metadata, written last: its presence marks a finished cache).
+
+    Streams the file (constant memory, a bounded number of chunks in flight), tokenizing in `num_workers`
+    processes (0 = in this process, with the tokenizer's own batch encoder), with a progress bar over bytes.
+    An existing cache is reused only if the source file (size, mtime), tokenizer and settings are unchanged."""
+    reader = JsonlReader(jsonl_path, on_error=on_error, kind=kind, max_samples=max_samples)
+    if int(tokenizer.vocab_size) > MAX_UINT16_VOCAB:
+        raise ValueError(f"tokenizer vocab_size={tokenizer.vocab_size} does not fit uint16 token files "
+                         f"(max {MAX_UINT16_VOCAB}); this memmap format is for small vocabularies like MiniMind's 6400")
+    prefix, t0 = str(out_prefix), time.perf_counter()
+    num_workers = default_num_workers() if num_workers is None else int(num_workers)
+    if not force and memmap_is_fresh(prefix, jsonl_path, tokenizer, kind, max_samples, on_error)[0]:
+        return _memmap_info(prefix, True, time.perf_counter() - t0, num_workers)
+    key = _cache_key(jsonl_path, tokenizer, kind, max_samples, on_error)
+    Path(prefix + ".json").unlink(missing_ok=True)  # a half-rebuilt cache must never look finished
+    offsets, max_id = [np.zeros(1, np.int64)], -1
+    bar = tqdm(total=key["source"]["size"], unit="B", unit_scale=True, desc=f"tokenize {reader.path.name}",
+               disable=not progress)
+    chunks = tokenize_reader(reader, tokenizer, chunk_size, num_workers)
+    # atomic_open writes beside the target and renames on success: an error leaves no half-written file
+    with bar, contextlib.closing(chunks), atomic_open(prefix + ".bin") as fbin, \
+            (atomic_open(prefix + ".mask.bin") if kind == "sft" else contextlib.nullcontext()) as fmask:
+        for ids, lengths, mask in chunks:
+            max_id = max(max_id, int(ids.max(initial=-1)))
+            if max_id > MAX_UINT16_VOCAB:
+                raise ValueError(f"{reader.path}: token id {max_id} does not fit uint16")
+            fbin.write(ids.astype(np.uint16).tobytes())
+            if fmask is not None:
+                fmask.write(mask.astype(np.uint8).tobytes())
+            offsets.append(offsets[-1][-1] + np.cumsum(lengths))
+            bar.update(reader.n_bytes - bar.n)
+    offsets = np.concatenate(offsets)
+    with atomic_open(prefix + ".idx.npy") as fidx:
+        np.save(fidx, offsets)
+    meta = {**key, "n_samples": len(offsets) - 1, "n_tokens": int(offsets[-1]), "max_token_id": max_id,
+            **reader.counts(), "seconds": round(time.perf_counter() - t0, 3), "num_workers": num_workers,
+            "chunk_size": chunk_size, "dtype": "uint16", "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    atomic_write_text(prefix + ".json", json.dumps(meta, indent=1, ensure_ascii=False))
+    return _memmap_info(prefix, False, meta["seconds"], num_workers)
+
+
+def read_memmap_meta(prefix: str) -> dict:
+    """The metadata of a memmap, checked for its format."""
+    meta_path = Path(prefix + ".json")
+    if not meta_path.is_file():
+        raise FileNotFoundError(f"memmap metadata not found: {meta_path} (build it with tokenize_to_memmap)")
+    meta = json.loads(meta_path.read_text())
+    if meta.get("format") != "minimind-memmap" or meta.get("version") != MEMMAP_FORMAT_VERSION:
+        raise ValueError(f"{meta_path}: not a minimind memmap of version {MEMMAP_FORMAT_VERSION}; rebuild it")
+    return meta
