@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minimind_lib import data
+from minimind_lib import corpus, data
 from minimind_lib.paths import ASSETS_DIR, DATA_DIR, REPO_DIR
 from minimind_lib.tokenizer import CHAT_TEMPLATE, ROLES, SPECIAL_TOKENS, Tokenizer, check_vocab, load_tokenizer
 
@@ -308,7 +308,7 @@ def test_train_refuses_impossible_sizes():
 
 # ------------------------------------------------------------------ data/train_tokenizer.py: jsonl texts and the CLI
 def test_roles_have_one_home():
-    assert data.ROLES is ROLES == ("system", "user", "assistant")
+    assert corpus.ROLES is ROLES == ("system", "user", "assistant")  # data reads roles, tokenizer owns them
 
 
 def _write(path, lines):
