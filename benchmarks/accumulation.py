@@ -4,7 +4,7 @@
 one batch of the same samples), naive_grad_max_rel_err (MiniMind's per-micro-batch mean / k), and the peak
 memory of one optimizer step without (peak_bytes_accum1) and with (peak_bytes_accumK) accumulation, on
 samples of data/ (varied lengths) when it exists, else on synthetic token ids of varied lengths.
-The helpers here are what notebook 04 imports.
+Notebook 04 writes the same measurements in its cells; it does not import this module.
 """
 
 from __future__ import annotations
@@ -52,10 +52,10 @@ def load_samples(profile, n: int, *, seed: int = 0) -> tuple[list[dict], str]:
 
 
 def collate(samples: Sequence[dict]) -> dict:
-    """Pad samples to the longest row (data.pad_to_longest: pads get label -100 and attention_mask 0)."""
-    from minimind_lib.data import pad_to_longest
+    """Pad samples to the longest row (data.pad_collate: pads get label -100 and attention_mask 0)."""
+    from minimind_lib.data import pad_collate
 
-    return pad_to_longest(list(samples), pad_id=0)
+    return pad_collate(list(samples), pad_id=0)
 
 
 def split(samples: Sequence[dict], k: int) -> list[dict]:
@@ -129,17 +129,16 @@ def main(argv: list[str]) -> dict:
     ap = argparse.ArgumentParser(prog="python -m benchmarks accumulation")
     ap.add_argument("--profile", default=None, help="smoke | cpu | gpu (default: the selected profile)")
     ap.add_argument("--device", default=None, help="cpu | cuda | mps (default: the best available)")
-    ap.add_argument("--batch", type=int, default=None, help="rows of the big batch (default: profile.batch_size)")
+    ap.add_argument("--batch", type=int, default=None,
+                    help="rows of the big batch (default: profile.batch_size x k, the profile's effective batch)")
     ap.add_argument("--k", type=int, default=None, help="micro-batches (default: profile.accum_steps)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
 
     profile = get_profile(args.profile)
-    if profile.num_threads:
-        torch.set_num_threads(profile.num_threads)
     device = get_device(args.device)
     k = args.k or profile.accum_steps
-    batch = args.batch or profile.batch_size
+    batch = args.batch or profile.batch_size * k
     if batch % k:
         raise ValueError(f"--batch {batch} is not a multiple of --k {k}")
     torch.manual_seed(args.seed)

@@ -124,7 +124,8 @@ def _sync(device: torch.device) -> None:
 def time_strategies(model: torch.nn.Module, batches: dict[str, list[dict]], device: torch.device,
                     lr: float = 1e-3, warmup: int = 1) -> dict[str, dict]:
     """Useful tokens/s of forward+backward+AdamW per strategy, round-robin, from identical initial weights."""
-    from minimind_lib.train import TrainConfig, accumulate_step, batch_token_count, build_optimizer, resolve_amp
+    from minimind_lib.data import trained_tokens
+    from minimind_lib.train import TrainConfig, accumulate_step, build_optimizer, resolve_amp
 
     amp = resolve_amp("auto", device)
     runs = {}
@@ -144,11 +145,11 @@ def time_strategies(model: torch.nn.Module, batches: dict[str, list[dict]], devi
             _sync(device)
             dt = time.perf_counter() - t0
             r["losses"].append(stats["loss"])
-            r["tokens"].append(batch_token_count(batch["labels"]))
+            r["tokens"].append(trained_tokens(batch["labels"]))
             r["times"].append(dt)
             if k >= warmup:  # the first batch pays one-off allocation costs
                 r["time"] += dt
-                r["useful"] += batch_token_count(batch["labels"])
+                r["useful"] += trained_tokens(batch["labels"])
                 r["padded"] += batch["input_ids"].numel()
                 real = batch["doc_ids"] >= 0 if "doc_ids" in batch else batch["attention_mask"]
                 r["real"] += int(real.sum())

@@ -461,11 +461,11 @@ class DDPController:
 
     def run_step(self, rank_micro_samples: Sequence[Sequence[Any]], accumulate_fn: Callable) -> dict:
         """Forward+backward of this rank's share of one optimizer step; returns global loss_sum and n_tokens."""
-        from .train import batch_token_count
+        from .data import trained_tokens
 
         micro = [self.collate_fn(list(s)) for s in rank_micro_samples if len(s)]
         n_samples = sum(len(s) for s in rank_micro_samples)
-        n_local = sum(batch_token_count(mb["labels"]) for mb in micro)
+        n_local = sum(trained_tokens(mb["labels"]) for mb in micro)
         # The one extra collective of data parallelism: every rank must divide by the same, global, count.
         n_global = int(all_reduce_sum(n_local, self.info, dtype=torch.int64))
         if n_global <= 0:
@@ -544,9 +544,10 @@ def measure_comm_compute(model: nn.Module, ddp_model: nn.Module, micro_batches: 
 
     Every rank runs the same micro-batches (a fixed per-rank load); a barrier starts each repetition together.
     """
-    from .train import accumulate_step, batch_token_count
+    from .data import trained_tokens
+    from .train import accumulate_step
 
-    n_tok = max(1, sum(batch_token_count(mb["labels"]) for mb in micro_batches))  # the same on every rank
+    n_tok = max(1, sum(trained_tokens(mb["labels"]) for mb in micro_batches))  # the same on every rank
     dev = info.device
 
     def one_step(sync: bool) -> float:

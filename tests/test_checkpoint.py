@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarks.accumulation import collate, synthetic_samples
+from minimind_lib.data import pad_collate
 from minimind_lib.checkpoint import (get_rng_state, load_training_state, read_training_state, save_training_state,
                                      set_rng_state)
 from minimind_lib.model import MiniMindConfig, MiniMindForCausalLM, load_checkpoint, save_checkpoint
@@ -18,6 +18,14 @@ torch.set_num_threads(1)  # tiny matmuls: one thread is fastest, and the CI mach
 VOCAB = 256
 
 
+def synthetic_samples(n: int, *, vocab_size: int, min_len: int, max_len: int, seed: int = 0) -> list[dict]:
+    """`n` pretrain-style samples of random token ids, lengths spread over [min_len, max_len]."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(min_len, max_len + 1, (n,), generator=g).tolist()
+    return [{"input_ids": ids, "labels": ids.clone()} for ids in (torch.randint(3, vocab_size, (m,), generator=g)
+                                                                   for m in lengths)]
+
+
 def tiny_model(seed: int = 0) -> MiniMindForCausalLM:
     torch.manual_seed(seed)
     return MiniMindForCausalLM(MiniMindConfig.preset("smoke", vocab_size=VOCAB))
@@ -25,7 +33,7 @@ def tiny_model(seed: int = 0) -> MiniMindForCausalLM:
 
 def batches(n: int, rows: int = 3, seed: int = 0) -> list[dict]:
     s = synthetic_samples(n * rows, vocab_size=VOCAB, min_len=3, max_len=20, seed=seed)
-    return [collate(s[i * rows:(i + 1) * rows]) for i in range(n)]
+    return [pad_collate(s[i * rows:(i + 1) * rows]) for i in range(n)]
 
 
 def cfg(**kw) -> TrainConfig:

@@ -8,13 +8,44 @@ import pytest
 import torch
 
 import minimind_lib.device as device_mod
-from benchmarks.accumulation import collate, gradients, max_rel_err, split, synthetic_samples
+from minimind_lib.data import pad_collate, trained_tokens
 from minimind_lib.model import MiniMindConfig, MiniMindForCausalLM, lm_loss
 from minimind_lib.train import (AmpSettings, DataStream, TrainConfig, accumulate_step, build_optimizer, evaluate,
-                                fit, lr_at, resolve_amp, step_token_count)
+                                fit, forward_logits, lr_at, optimizer_step, resolve_amp, step_token_count)
 
 torch.set_num_threads(1)  # tiny matmuls: one thread is fastest, and the CI machine's 2 cores are shared
 VOCAB = 256  # a small vocabulary keeps the LM head (the biggest matmul of the smoke model) cheap
+
+
+def synthetic_samples(n: int, *, vocab_size: int = VOCAB, min_len: int = 3, max_len: int = 24,
+                      seed: int = 0) -> list[dict]:
+    """`n` pretrain-style samples of random token ids, lengths spread over [min_len, max_len]."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(min_len, max_len + 1, (n,), generator=g).tolist()
+    return [{"input_ids": ids, "labels": ids.clone()} for ids in (torch.randint(3, vocab_size, (m,), generator=g)
+                                                                   for m in lengths)]
+
+
+def collate(samples: list[dict]) -> dict:
+    return pad_collate(samples)
+
+
+def split(samples: list[dict], k: int) -> list[dict]:
+    m = len(samples) // k
+    return [collate(samples[i * m:(i + 1) * m]) for i in range(k)]
+
+
+def gradients(model, micro_batches, normalization: str = "token") -> torch.Tensor:
+    """The flattened gradient of one step's loss over `micro_batches` (fp32)."""
+    model.zero_grad(set_to_none=True)
+    accumulate_step(model, micro_batches, normalization=normalization)
+    flat = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+    model.zero_grad(set_to_none=True)
+    return flat
+
+
+def max_rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
 
 
 def tiny_model(seed: int = 0) -> MiniMindForCausalLM:
@@ -112,7 +143,7 @@ def test_accumulate_step_returns_token_loss():
     model = tiny_model()
     mbs = batches(3)
     n = step_token_count(mbs)
-    assert n == sum(int((b["labels"][:, 1:] != -100).sum()) for b in mbs)
+    assert n == sum(int((b["labels"][:, 1:] != -100).sum()) for b in mbs) == sum(trained_tokens(b["labels"]) for b in mbs)
     out = accumulate_step(model, mbs)
     with torch.no_grad():
         ref = sum(float(lm_loss(model(b["input_ids"]).logits, b["labels"], reduction="sum")) for b in mbs) / n
