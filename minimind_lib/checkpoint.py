@@ -118,7 +118,7 @@ def save_training_state(path: str | Path, model: nn.Module, optimizer: torch.opt
                          f"holds NaN/inf")
     has_state = controller is not None and hasattr(controller, "state_dict")
     return atomic_save({"format": FORMAT, "version": VERSION, "model": model.state_dict(),
-                        "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict() if scaler is not None else None,
+                        "optimizer": optimizer.state_dict(), "scaler": None if scaler is None else scaler.state_dict(),
                         "step": int(step), "data": dict(data_state or {"epoch": 0, "offset": 0}),
                         "controller": controller.state_dict() if has_state else None, "rng": get_rng_state(),
                         "config": _config_dict(cfg), "extra": dict(extra or {})}, path)
