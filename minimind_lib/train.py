@@ -254,7 +254,7 @@ def make_scaler(amp: AmpSettings, device: torch.device | str) -> torch.amp.GradS
     return torch.amp.GradScaler(torch.device(device).type) if amp.use_scaler else None
 
 
-# 7. Validation -------------------------------------------------------------------------------------------------
+# 7. Validation (04, section 6) ---------------------------------------------------------------------------------
 @torch.no_grad()
 def evaluate(model: nn.Module, batches: Iterable[dict], *, device: torch.device | str | None = None,
              amp_dtype: torch.dtype | None = None) -> dict:
