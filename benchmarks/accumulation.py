@@ -90,7 +90,7 @@ def main(argv: list[str]) -> dict:
     ap = argparse.ArgumentParser(prog="python -m benchmarks accumulation")
     ap.add_argument("--profile", default=None, help="smoke | cpu | gpu (default: the selected profile)")
     ap.add_argument("--device", default=None, help="cpu | cuda | mps (default: the best available)")
-    ap.add_argument("--batch", type=int, default=None, help="rows of the big batch (default: profile.batch_size)")
+    ap.add_argument("--batch", type=int, default=None, help="rows of the big batch (default: profile.batch_size x k)")
     ap.add_argument("--k", type=int, default=None, help="micro-batches (default: profile.accum_steps)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
@@ -98,7 +98,7 @@ def main(argv: list[str]) -> dict:
     profile = get_profile(args.profile)
     device = get_device(args.device)
     k = args.k or profile.accum_steps
-    batch = args.batch or profile.batch_size
+    batch = args.batch or profile.batch_size * k
     if batch % k:
         raise ValueError(f"--batch {batch} is not a multiple of --k {k}")
     torch.manual_seed(args.seed)

@@ -1,76 +1,111 @@
-"""Training-state checkpoints: everything needed to resume a run as if it had never stopped.
+"""Resuming a run, the other half of notebook 04_gradient_accumulation's loop (train.fit): RNG states, the data
+position (`DataStream`) and training-state checkpoints.
 
-A training checkpoint holds the model, the optimizer, the GradScaler, the step (the LR schedule is a pure
-function of it), the data position, an optional batch controller's state and every RNG state (torch CPU and
-CUDA, numpy, python). It is written atomically by model.py's `save_checkpoint` (temp file in the same folder,
-flush + fsync, os.replace) and read with `torch.load(weights_only=True)`, so everything in it is a tensor or a
-plain Python value: RNG states are stored as tensors and lists, never as pickled objects.
-(Model weights alone: `minimind_lib.model.save_checkpoint` / `load_checkpoint`; `load_checkpoint` also accepts a
-training checkpoint and takes its "model" entry.)
+A training checkpoint holds the model, the optimizer, the GradScaler, the step (the LR schedule is a pure function
+of it), the data position, a batch controller's state and every RNG state. It is written atomically (fileio) and
+read with `torch.load(weights_only=True)`, so it holds only tensors and plain values, never pickled objects.
+(Model weights alone: `model.save_checkpoint` / `load_checkpoint`, which also takes a training checkpoint's model.)
 """
 
 from __future__ import annotations
 
 import random
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import numpy as np
 import torch
 from torch import nn
+
+from .fileio import atomic_open
+from .model import check_state_dict
 
 FORMAT = "minimind-train-state"
 VERSION = 1
 REQUIRED_KEYS = ("format", "version", "model", "optimizer", "step", "data", "rng", "config")
 
 
-# --------------------------------------------------------------------------------------------- RNG states
-
-
 def get_rng_state() -> dict:
-    """Every RNG state as weights_only-loadable values (tensors, ints, floats, lists, strings)."""
+    """Every RNG state (torch CPU and CUDA, numpy, python) as weights_only-loadable tensors, numbers and lists."""
     np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
     py_version, py_state, py_gauss = random.getstate()
-    state = {
-        "torch_cpu": torch.get_rng_state(),
-        "numpy": {"name": str(np_name), "keys": torch.from_numpy(np_keys.astype(np.int64)), "pos": int(np_pos),
-                  "has_gauss": int(np_has_gauss), "cached_gaussian": float(np_gauss)},
-        "python": {"version": int(py_version), "state": [int(x) for x in py_state],
-                   "gauss_next": None if py_gauss is None else float(py_gauss)},
-        "torch_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-    }
-    return state
+    return {"torch_cpu": torch.get_rng_state(),
+            "numpy": {"name": str(np_name), "keys": torch.from_numpy(np_keys.astype(np.int64)), "pos": int(np_pos),
+                      "has_gauss": int(np_has_gauss), "cached_gaussian": float(np_gauss)},
+            "python": {"version": int(py_version), "state": [int(x) for x in py_state],
+                       "gauss_next": None if py_gauss is None else float(py_gauss)},
+            "torch_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
 
 
 def set_rng_state(state: dict) -> None:
     """Restore the RNG states saved by get_rng_state."""
     torch.set_rng_state(state["torch_cpu"].cpu())
-    n = state["numpy"]
+    n, p = state["numpy"], state["python"]
     np.random.set_state((n["name"], n["keys"].cpu().numpy().astype(np.uint32), n["pos"], n["has_gauss"],
                          n["cached_gaussian"]))
-    p = state["python"]
     random.setstate((p["version"], tuple(p["state"]), p["gauss_next"]))
     cuda = state.get("torch_cuda") or []
-    if cuda and torch.cuda.is_available():
-        # A run resumed on fewer GPUs restores the ones it has.
+    if cuda and torch.cuda.is_available():  # a run resumed on fewer GPUs restores the ones it has
         torch.cuda.set_rng_state_all([s.cpu() for s in cuda[: torch.cuda.device_count()]])
 
 
-# --------------------------------------------------------------------------------------------- save / load
+class DataStream:
+    """Endless iteration over a re-iterable source (list, DataLoader), epoch by epoch, at a resumable position."""
+
+    def __init__(self, source: Iterable) -> None:
+        self.source, self.epoch, self.offset, self._it = source, 0, 0, None
+        # A generator cannot restart; a list or DataLoader can (no iter() here: it would start a loader's workers)
+        self.restartable = not hasattr(source, "__next__")
+
+    def next(self) -> Any:
+        """The next item; starts a new epoch when the current one ends (StopIteration for a spent generator)."""
+        if self._it is None:
+            self.load_state_dict(self.state_dict())
+        try:
+            item = next(self._it)
+        except StopIteration:
+            if not self.restartable:
+                raise
+            if self.offset == 0:
+                raise ValueError("the training data is empty: an epoch yielded no batches") from None
+            self.load_state_dict({"epoch": self.epoch + 1, "offset": 0})
+            item = next(self._it)
+        self.offset += 1
+        return item
+
+    def state_dict(self) -> dict:
+        """Position (epoch, items drawn from it) as plain ints, stored in checkpoints."""
+        return {"epoch": int(self.epoch), "offset": int(self.offset)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Move to a position: start its epoch (set_epoch on the source or its sampler), skip `offset` items."""
+        self.epoch, self.offset = int(state["epoch"]), 0
+        for obj in (self.source, getattr(self.source, "sampler", None), getattr(self.source, "batch_sampler", None)):
+            if obj is not None and hasattr(obj, "set_epoch"):
+                obj.set_epoch(self.epoch)
+        self._it = iter(self.source)
+        for _ in range(int(state["offset"])):
+            next(self._it)
+            self.offset += 1
+
+
+def seed_everything(seed: int) -> None:
+    """Seed python, numpy and torch (CPU and all GPUs)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
 
 
 def atomic_save(obj: Any, path: str | Path) -> Path:
-    """Write `obj` with torch.save atomically (the model's writer: temp file in the same dir, fsync, os.replace)."""
-    from .model import save_checkpoint
-
-    return save_checkpoint(obj, path)
+    """torch.save `obj` to `path` atomically (fileio: temp file in the same folder, fsync, os.replace)."""
+    with atomic_open(path, "wb") as f:
+        torch.save(obj, f)
+    return Path(path)
 
 
 def _config_dict(cfg: Any) -> dict:
-    """A TrainConfig (or dict) as plain types."""
-    if cfg is None:
-        return {}
-    return cfg.to_dict() if hasattr(cfg, "to_dict") else dict(cfg)
+    """A TrainConfig (or dict, or None) as plain types."""
+    return {} if cfg is None else cfg.to_dict() if hasattr(cfg, "to_dict") else dict(cfg)
 
 
 def save_training_state(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, *, cfg: Any,
@@ -81,20 +116,12 @@ def save_training_state(path: str | Path, model: nn.Module, optimizer: torch.opt
     if bad:
         raise ValueError(f"refusing to write checkpoint {path}: parameter {bad[0]!r} (and {len(bad) - 1} more) "
                          f"holds NaN/inf")
-    state = {
-        "format": FORMAT,
-        "version": VERSION,
-        "model": model.state_dict(),
-        "optimizer": optimizer.state_dict(),
-        "scaler": scaler.state_dict() if scaler is not None else None,
-        "step": int(step),
-        "data": dict(data_state or {"epoch": 0, "offset": 0}),
-        "controller": controller.state_dict() if controller is not None and hasattr(controller, "state_dict") else None,
-        "rng": get_rng_state(),
-        "config": _config_dict(cfg),
-        "extra": dict(extra or {}),
-    }
-    return atomic_save(state, path)
+    has_state = controller is not None and hasattr(controller, "state_dict")
+    return atomic_save({"format": FORMAT, "version": VERSION, "model": model.state_dict(),
+                        "optimizer": optimizer.state_dict(), "scaler": None if scaler is None else scaler.state_dict(),
+                        "step": int(step), "data": dict(data_state or {"epoch": 0, "offset": 0}),
+                        "controller": controller.state_dict() if has_state else None, "rng": get_rng_state(),
+                        "config": _config_dict(cfg), "extra": dict(extra or {})}, path)
 
 
 def read_training_state(path: str | Path, map_location: Any = "cpu") -> dict:
@@ -108,14 +135,13 @@ def read_training_state(path: str | Path, map_location: Any = "cpu") -> dict:
         first = (str(e).splitlines() or [""])[0][:300]
         raise ValueError(f"cannot read training checkpoint {path} (corrupt or not a checkpoint): "
                          f"{type(e).__name__}: {first}") from e
-    if not isinstance(state, dict):
-        raise ValueError(f"{path}: holds a {type(state).__name__}, not a training checkpoint")
-    if state.get("format") != FORMAT:
-        raise ValueError(f"{path}: not a training checkpoint (format={state.get('format')!r}, expected {FORMAT!r}); "
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        found = state.get("format") if isinstance(state, dict) else type(state).__name__
+        raise ValueError(f"{path}: not a training checkpoint (format={found!r}, expected {FORMAT!r}); "
                          f"model weights load with minimind_lib.model.load_checkpoint")
-    for key in REQUIRED_KEYS:
-        if key not in state:
-            raise ValueError(f"{path}: training checkpoint lacks key {key!r}")
+    missing = [key for key in REQUIRED_KEYS if key not in state]
+    if missing:
+        raise ValueError(f"{path}: training checkpoint lacks key {missing[0]!r}")
     if state["version"] != VERSION:
         raise ValueError(f"{path}: checkpoint version {state['version']} is not supported (expected {VERSION})")
     return state
@@ -124,16 +150,14 @@ def read_training_state(path: str | Path, map_location: Any = "cpu") -> dict:
 def check_config(saved: dict, cfg: Any, path: str | Path, fields: tuple[str, ...] | None = None) -> None:
     """Raise ValueError naming the first field where the resumed config differs from the checkpoint's."""
     current = _config_dict(cfg)
-    fields = fields if fields is not None else tuple(getattr(cfg, "RESUME_FIELDS", tuple(current)))
-    for name in fields:
-        if name not in saved or name not in current:
-            continue
-        a, b = saved[name], current[name]
-        if isinstance(a, (list, tuple)):
-            a, b = list(a), list(b)
-        if a != b:
-            raise ValueError(f"cannot resume from {path}: config field {name!r} differs "
-                             f"(checkpoint {saved[name]!r}, now {current[name]!r})")
+    for name in fields if fields is not None else tuple(getattr(cfg, "RESUME_FIELDS", tuple(current))):
+        if name in saved and name in current:
+            a, b = saved[name], current[name]
+            if isinstance(a, (list, tuple)):  # a tuple saved becomes a list: compare as lists
+                a, b = list(a), list(b)
+            if a != b:
+                raise ValueError(f"cannot resume from {path}: config field {name!r} differs "
+                                 f"(checkpoint {saved[name]!r}, now {current[name]!r})")
 
 
 def load_training_state(path: str | Path, model: nn.Module, *, optimizer: torch.optim.Optimizer | None = None,
@@ -141,10 +165,7 @@ def load_training_state(path: str | Path, model: nn.Module, *, optimizer: torch.
                         map_location: Any = "cpu", restore_rng: bool = True) -> dict:
     """Load a training checkpoint into model/optimizer/scaler/controller (and RNGs); return step, data, rng, extra.
 
-    With `cfg`, the fields that shape optimisation (TrainConfig.RESUME_FIELDS) must match the checkpoint's.
-    """
-    from .model import check_state_dict
-
+    With `cfg`, the fields that shape optimisation (TrainConfig.RESUME_FIELDS) must match the checkpoint's."""
     path = Path(path)
     state = read_training_state(path, map_location=map_location)
     if cfg is not None:

@@ -1,39 +1,38 @@
-"""The course's one training loop: exact token-weighted gradient accumulation, AMP, clipping, AdamW, warmup+cosine.
+"""The training loop built in notebooks 04_gradient_accumulation and 05_mixed_precision, tidied: same names, same order.
 
-Every later notebook and the CLI train through `fit`. The pieces are small functions so that a notebook can
-show each one on its own:
-
-- `step_token_count`  the number of trained tokens of an optimizer step (the one place DDP all-reduces),
-- `accumulate_step`   forward+backward over the micro-batches of one step, loss = sum of token losses / tokens,
-- `resolve_amp`       which autocast dtype (and whether a GradScaler) a device should use,
-- `build_optimizer`   AdamW, fused where supported, weight decay only on 2-D weights,
-- `lr_at`             linear warmup then cosine decay to `min_lr`,
-- `fit`               the loop: metrics per optimizer step in a pandas DataFrame, NaN handling, checkpoints, resume,
-- `evaluate`          token-weighted validation loss and perplexity.
+04 writes: a plain step (`forward_logits`, `model.lm_loss`), the warmup + cosine schedule (`lr_at`), clipping and the
+update (`optimizer_step`), exact token-weighted accumulation (`step_token_count`, `accumulate_step`), AdamW's groups
+(`build_optimizer`) and the loop (`fit`); 05 adds autocast and the GradScaler (`resolve_amp`, `make_scaler`).
+`fit` adds, each in a named step: validation, resumable checkpoints, NaN/inf steps skipped and rolled back at a lower
+LR, callbacks, and the controller protocol of batching.py and distributed.py: `controller.run_step(step_item,
+accumulate_fn[, zero_grad=model])` with `accumulate_fn(micro_batches, *, forward_model=None, n_tokens_total=None)`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
-import random
 import time
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
-import numpy as np
+import pandas as pd
 import torch
+import torch.distributed as dist
 from torch import nn
+from tqdm.auto import tqdm
 
-from .model import is_right_padded
+from . import device as device_module  # looked up at call time: tests and notebook 05 pretend to be another device
+from .checkpoint import DataStream, load_training_state, save_training_state, seed_everything, set_rng_state
+from .data import trained_tokens
+from .memory import MemoryMeter
+from .model import is_right_padded, lm_loss
 
-IGNORE_INDEX = -100
 AMP_MODES = ("auto", "bf16", "fp16", "off")
 NORMALIZATIONS = ("token", "naive")
-
-
-# --------------------------------------------------------------------------------------------- config
 
 
 @dataclass
@@ -45,7 +44,7 @@ class TrainConfig:
     warmup_steps: int = 10  # linear warmup, in optimizer steps
     max_steps: int = 100  # optimizer steps of the run (the cosine reaches min_lr here)
     accum_steps: int = 1  # micro-batches per optimizer step (ignored when a controller splits the step)
-    weight_decay: float = 0.1  # applied to 2-D weights only (matmuls, embeddings), never to norms/biases
+    weight_decay: float = 0.1  # applied to 2-D weights only (matmuls, embeddings), never to norms
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
     grad_clip: float | None = 1.0  # max global grad norm; None or 0: measure the norm, do not clip
@@ -66,21 +65,17 @@ class TrainConfig:
                      "eps", "grad_clip", "amp", "normalization", "seed")
 
     def __post_init__(self) -> None:
-        if self.amp not in AMP_MODES:
-            raise ValueError(f"TrainConfig.amp={self.amp!r}; choose one of {AMP_MODES}")
-        if self.normalization not in NORMALIZATIONS:
-            raise ValueError(f"TrainConfig.normalization={self.normalization!r}; choose one of {NORMALIZATIONS}")
-        for name in ("max_steps", "accum_steps", "max_bad_steps"):
-            if int(getattr(self, name)) < 1:
-                raise ValueError(f"TrainConfig.{name}={getattr(self, name)!r} must be >= 1")
-        for name in ("warmup_steps", "log_every", "eval_every", "ckpt_every"):
-            if int(getattr(self, name)) < 0:
-                raise ValueError(f"TrainConfig.{name}={getattr(self, name)!r} must be >= 0")
+        for name, choices in (("amp", AMP_MODES), ("normalization", NORMALIZATIONS)):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"TrainConfig.{name}={getattr(self, name)!r}; choose one of {choices}")
+        for name, low in (("max_steps", 1), ("accum_steps", 1), ("max_bad_steps", 1), ("warmup_steps", 0),
+                          ("log_every", 0), ("eval_every", 0), ("ckpt_every", 0)):
+            if int(getattr(self, name)) < low:
+                raise ValueError(f"TrainConfig.{name}={getattr(self, name)!r} must be >= {low}")
         if self.lr <= 0:
             raise ValueError(f"TrainConfig.lr={self.lr!r} must be > 0")
         self.betas = tuple(float(b) for b in self.betas)
-        if self.min_lr is None:
-            self.min_lr = self.lr / 10
+        self.min_lr = self.lr / 10 if self.min_lr is None else self.min_lr
 
     @classmethod
     def from_profile(cls, profile: Any, **overrides: Any) -> "TrainConfig":
@@ -88,19 +83,132 @@ class TrainConfig:
         steps = overrides.pop("max_steps", profile.train_steps)
         base = dict(lr=profile.lr, max_steps=steps, accum_steps=profile.accum_steps,
                     warmup_steps=max(1, steps // 10), eval_every=profile.eval_every)
-        base.update(overrides)
-        return cls(**base)
+        return cls(**{**base, **overrides})
 
     def to_dict(self) -> dict:
         """The config as plain types (stored in checkpoints, compared on resume)."""
-        d = asdict(self)
-        d["betas"] = list(d["betas"])
-        return d
+        return {**asdict(self), "betas": list(self.betas)}
 
 
-# --------------------------------------------------------------------------------------------- AMP
+# 1. A plain step (notebook 04, section 1) ----------------------------------------------------------------------
+def _to_device(batch: dict, device: torch.device) -> dict:
+    """Move a batch's tensors to `device`, leaving out a right-padded (B, T) attention_mask."""
+    # The model would drop that mask anyway (causal attention is exact for real tokens); checking here spares a sync.
+    mask = batch.get("attention_mask")
+    if torch.is_tensor(mask) and mask.dim() == 2 and mask.device.type == "cpu" and is_right_padded(mask):
+        batch = {k: v for k, v in batch.items() if k != "attention_mask"}
+    return {k: (v.to(device, non_blocking=True) if torch.is_tensor(v) else v) for k, v in batch.items()}
 
 
+def forward_logits(model: nn.Module, batch: dict) -> torch.Tensor:
+    """The model's logits for one collated batch (with its attention_mask and position_ids when it has them)."""
+    kwargs = {k: batch[k] for k in ("attention_mask", "position_ids") if batch.get(k) is not None}
+    out = model(batch["input_ids"], **kwargs)
+    return out.logits if hasattr(out, "logits") else out
+
+
+# 2. The schedule (04, section 2) --------------------------------------------------------------------------------
+def lr_at(step: int, *, lr: float, min_lr: float, warmup_steps: int, max_steps: int) -> float:
+    """Learning rate at 0-based optimizer step `step`: linear warmup to `lr`, cosine decay to `min_lr`."""
+    if warmup_steps > 0 and step < warmup_steps:
+        return lr * (step + 1) / warmup_steps
+    if step >= max_steps:
+        return min_lr
+    progress = (step - warmup_steps) / max(1, max_steps - warmup_steps)
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (lr - min_lr)
+
+
+# 3. Clip and update (04, section 3; the scaler's lines: 05) ----------------------------------------------------
+def optimizer_step(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor], grad_clip: float | None,
+                   scaler: torch.amp.GradScaler | None = None) -> tuple[float, bool]:
+    """Clip the grad norm to `grad_clip`, step unless a gradient is inf/NaN, zero the grads; (norm, finite)."""
+    if scaler is not None:
+        scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, grad_clip or float("inf")))
+    if scaler is not None:
+        scaler.step(optimizer)  # skipped inside when the gradients hold inf/NaN
+        scaler.update()  # halves the scale after an overflow, doubles it after growth_interval good steps
+    elif math.isfinite(grad_norm):
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm, math.isfinite(grad_norm)
+
+
+# 4. Exact token-weighted accumulation (04, section 4; data parallel: 09) ---------------------------------------
+def world_size() -> int:
+    """Number of data-parallel processes (1 unless torch.distributed is initialised)."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def all_reduce_sum(value: float | int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """Sum a number over all ranks (a tensor on `device`: NCCL needs CUDA tensors, gloo takes CPU ones)."""
+    t = torch.tensor(value, device=device, dtype=dtype)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def step_token_count(micro_batches: Sequence[dict], device: torch.device | str | None = None) -> int:
+    """Trained tokens of a whole optimizer step, from the labels, up front (all-reduced under data parallelism)."""
+    n = sum(trained_tokens(mb["labels"]) for mb in micro_batches)
+    if world_size() > 1:  # every rank must divide by the same, global, count
+        n = int(all_reduce_sum(n, torch.device(device or "cpu"), torch.long))
+    return n
+
+
+def accumulate_step(model: nn.Module, micro_batches: Sequence[dict], *, amp_dtype: torch.dtype | None = None,
+                    scaler: torch.amp.GradScaler | None = None, device: torch.device | str | None = None,
+                    n_tokens_total: int | None = None, normalization: str = "token") -> dict:
+    """Forward+backward over the micro-batches of one optimizer step; gradients add up in .grad (no update).
+
+    "token" (exact): each micro-batch adds lm_loss(reduction="sum") / n_tokens_total; "naive" (MiniMind's loop):
+    mean loss of each micro-batch / k. Returns loss_sum, n_tokens, loss, micro_batches, rows, padded_tokens."""
+    if normalization not in NORMALIZATIONS:
+        raise ValueError(f"normalization={normalization!r}; choose one of {NORMALIZATIONS}")
+    if not micro_batches:
+        raise ValueError("accumulate_step got no micro-batches")
+    device = torch.device(device) if device is not None else next(model.parameters()).device
+    world, k = world_size(), len(micro_batches)
+    if n_tokens_total is None:
+        n_tokens_total = step_token_count(micro_batches, device)
+    if n_tokens_total <= 0:
+        raise ValueError("accumulate_step: the step has no trained tokens (every shifted label is -100)")
+    loss_sum = torch.zeros((), device=device, dtype=torch.float32)
+    rows = padded = 0
+    for i, mb in enumerate(micro_batches):
+        mb = _to_device(mb, device)
+        # Under DDP, all-reduce the gradients once per step: no sync on all but the last micro-batch.
+        last = world == 1 or i == k - 1 or not hasattr(model, "no_sync")
+        with contextlib.nullcontext() if last else model.no_sync():
+            with torch.autocast(device_type=device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+                logits = forward_logits(model, mb)
+            token_loss_sum = lm_loss(logits, mb["labels"], reduction="sum")  # in fp32, outside autocast
+            if normalization == "token":  # x world: DDP averages over ranks, the sum is over all ranks' tokens
+                loss = token_loss_sum * (world / n_tokens_total)
+            else:
+                loss = token_loss_sum / max(trained_tokens(mb["labels"]), 1) / k
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+        loss_sum += token_loss_sum.detach().float()
+        rows += mb["input_ids"].shape[0]
+        padded += mb["input_ids"].numel()
+    if world > 1:  # the logged loss is the step's global token mean
+        loss_sum = all_reduce_sum(float(loss_sum), device, torch.float64)
+    loss_sum_f = float(loss_sum)  # one device sync per step
+    return {"loss_sum": loss_sum_f, "n_tokens": int(n_tokens_total), "loss": loss_sum_f / n_tokens_total,
+            "micro_batches": k, "rows": rows, "padded_tokens": padded}
+
+
+# 5. AdamW's parameter groups (04, section 5) --------------------------------------------------------------------
+def build_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device | str) -> torch.optim.AdamW:
+    """AdamW with weight decay only on 2-D weights (not norms), fused on CUDA and CPU."""
+    params = [p for _, p in model.named_parameters() if p.requires_grad]  # named_parameters: the tied weight once
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    # fused: one kernel per parameter group instead of a loop of small ops (CUDA and CPU have it).
+    extra = {"fused": True} if torch.device(device).type in ("cuda", "cpu") else {}
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, **extra)
+
+
+# 6. Autocast and the GradScaler (notebook 05) -------------------------------------------------------------------
 @dataclass(frozen=True)
 class AmpSettings:
     """What autocast does on this device: the dtype (None: fp32, no autocast), whether a GradScaler, and why."""
@@ -116,535 +224,246 @@ class AmpSettings:
 
 
 def resolve_amp(amp: str, device: torch.device | str) -> AmpSettings:
-    """Decide autocast dtype and GradScaler for `amp` ("auto"|"bf16"|"fp16"|"off") on `device`.
+    """Autocast dtype and GradScaler for `amp` ("auto"|"bf16"|"fp16"|"off") on `device`.
 
-    auto: CUDA with bf16 tensor cores -> bf16 (no scaler: bf16 has fp32's exponent range);
-          older CUDA -> fp16 + GradScaler (fp16 gradients underflow without loss scaling);
-          CPU with native bf16 (AVX512-BF16/AMX) -> bf16; CPU without -> fp32, because autocast there
-          emulates bf16 and is slower than fp32 (notebook 05 measures it);
-          MPS -> fp32: autocast op coverage on MPS still varies with the macOS/torch version, and the
-          course's models are small enough that fp32 fits; pass amp="bf16" to opt in.
-    """
-    from .device import bf16_native, bf16_supported
-
+    auto: CUDA with bf16 tensor cores -> bf16 (no scaler: bf16 has fp32's exponent range); older CUDA -> fp16 +
+    GradScaler; CPU with bf16 instructions -> bf16; CPU without -> fp32 (emulated 16-bit math is slower, notebook
+    05 measures it); MPS -> fp32 (autocast coverage varies with the macOS/torch version; opt in with amp="bf16")."""
     device = torch.device(device)
     if amp not in AMP_MODES:
         raise ValueError(f"amp={amp!r}; choose one of {AMP_MODES}")
     if amp == "off":
         return AmpSettings(None, False, "amp='off': fp32")
     if amp == "bf16":
-        if not bf16_supported(device):
+        if not device_module.bf16_supported(device):
             raise ValueError(f"amp='bf16' requested but {device} does not support bf16 (try amp='fp16' or 'auto')")
         return AmpSettings(torch.bfloat16, False, "amp='bf16' requested")
-    if amp == "fp16":
-        # The scaler is what makes fp16 training safe; it works on CPU and MPS too in torch.amp.
+    if amp == "fp16":  # the scaler is what makes fp16 safe; torch.amp has it on CPU and MPS too
         return AmpSettings(torch.float16, True, "amp='fp16' requested: fp16 autocast + GradScaler")
+    if device.type in ("cuda", "cpu") and device_module.bf16_native(device):
+        return AmpSettings(torch.bfloat16, False, f"auto: {device.type.upper()} with native bf16 -> bf16 autocast")
     if device.type == "cuda":
-        if bf16_native(device):
-            return AmpSettings(torch.bfloat16, False, "auto: CUDA with native bf16 -> bf16 autocast")
         return AmpSettings(torch.float16, True, "auto: CUDA without native bf16 -> fp16 autocast + GradScaler")
-    if device.type == "cpu":
-        if bf16_native(device):
-            return AmpSettings(torch.bfloat16, False, "auto: CPU with native bf16 instructions -> bf16 autocast")
-        return AmpSettings(None, False, "auto: CPU without native bf16 -> fp32 (emulated bf16 is slower)")
-    return AmpSettings(None, False, f"auto: {device.type} -> fp32 (autocast coverage varies; opt in with amp='bf16')")
+    why = ("no native bf16: emulated bf16 is slower" if device.type == "cpu"
+           else "autocast coverage varies; opt in with amp='bf16'")
+    return AmpSettings(None, False, f"auto: {device.type} -> fp32 ({why})")
 
 
 def make_scaler(amp: AmpSettings, device: torch.device | str) -> torch.amp.GradScaler | None:
     """A torch.amp.GradScaler when the AMP settings need one, else None."""
-    if not amp.use_scaler:
-        return None
-    return torch.amp.GradScaler(torch.device(device).type)
+    return torch.amp.GradScaler(torch.device(device).type) if amp.use_scaler else None
 
 
-# --------------------------------------------------------------------------------------------- optimizer, schedule
-
-
-def build_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device | str) -> torch.optim.AdamW:
-    """AdamW with weight decay only on 2-D weights (not norms/biases), fused on CUDA and CPU."""
-    decay, no_decay = [], []
-    for _, p in model.named_parameters():  # named_parameters de-duplicates tied weights
-        if p.requires_grad:
-            (decay if p.dim() >= 2 else no_decay).append(p)
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
-    # fused=True runs the whole update in one kernel per parameter group instead of a loop of small ops;
-    # PyTorch has it on CUDA and CPU (measured by `bench throughput --levers`: the CPU step takes ~0.2x the time).
-    extra = {"fused": True} if torch.device(device).type in ("cuda", "cpu") else {}
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, **extra)
-
-
-def lr_at(step: int, *, lr: float, min_lr: float, warmup_steps: int, max_steps: int) -> float:
-    """Learning rate at 0-based optimizer step `step`: linear warmup to `lr`, cosine decay to `min_lr`."""
-    if warmup_steps > 0 and step < warmup_steps:
-        return lr * (step + 1) / warmup_steps
-    if step >= max_steps:
-        return min_lr
-    span = max(1, max_steps - warmup_steps)
-    progress = (step - warmup_steps) / span
-    return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (lr - min_lr)
-
-
-# --------------------------------------------------------------------------------------------- accumulation
-
-
-def batch_token_count(labels: torch.Tensor) -> int:
-    """Trained tokens of one collated batch: shifted labels that are not -100."""
-    return int((labels[:, 1:] != IGNORE_INDEX).sum())
-
-
-def world_size() -> int:
-    """Number of data-parallel processes (1 unless torch.distributed is initialised)."""
-    import torch.distributed as dist
-
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def all_reduce_sum(value: float | int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """Sum a number over all ranks (a tensor on `device`: NCCL needs CUDA tensors, gloo takes CPU ones)."""
-    import torch.distributed as dist
-
-    t = torch.tensor(value, device=device, dtype=dtype)
-    dist.all_reduce(t, op=dist.ReduceOp.SUM)
-    return t
-
-
-def step_token_count(micro_batches: Sequence[dict], device: torch.device | str | None = None) -> int:
-    """Trained tokens of a whole optimizer step, counted up front from the labels (no device sync).
-
-    This is the single place a data-parallel run all-reduces the count: under torch.distributed every rank
-    gets the global number of tokens of the step, so that each divides its token-loss sum by the same total.
-    """
-    n = sum(batch_token_count(mb["labels"]) for mb in micro_batches)
-    if world_size() > 1:
-        n = int(all_reduce_sum(n, torch.device(device or "cpu"), torch.long))
-    return n
-
-
-def _lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Sum of shifted fp32 token losses (the model's `lm_loss(..., reduction='sum')`)."""
-    from .model import lm_loss
-
-    return lm_loss(logits, labels, reduction="sum")
-
-
-def _forward_logits(model: nn.Module, mb: dict) -> torch.Tensor:
-    """Run the model on one collated micro-batch and return its logits."""
-    kwargs = {}
-    if mb.get("attention_mask") is not None:
-        kwargs["attention_mask"] = mb["attention_mask"]
-    if mb.get("position_ids") is not None:
-        kwargs["position_ids"] = mb["position_ids"]
-    out = model(mb["input_ids"], **kwargs)
-    return out.logits if hasattr(out, "logits") else out
-
-
-def _to_device(mb: dict, device: torch.device) -> dict:
-    """Move the tensors of a micro-batch to `device` (non_blocking: overlaps with compute from pinned memory).
-
-    A right-padded (B, T) attention_mask is left out: the model would drop it anyway (causal attention is exact
-    for every real token, model.build_attention_mask), and checking it here, on the CPU, spares the GPU a sync."""
-    mask = mb.get("attention_mask")
-    if torch.is_tensor(mask) and mask.dim() == 2 and mask.device.type == "cpu" and is_right_padded(mask):
-        mb = {k: v for k, v in mb.items() if k != "attention_mask"}
-    return {k: (v.to(device, non_blocking=True) if torch.is_tensor(v) else v) for k, v in mb.items()}
-
-
-def accumulate_step(model: nn.Module, micro_batches: Sequence[dict], *, amp_dtype: torch.dtype | None = None,
-                    scaler: torch.amp.GradScaler | None = None, device: torch.device | str | None = None,
-                    n_tokens_total: int | None = None, normalization: str = "token") -> dict:
-    """Forward+backward over the micro-batches of one optimizer step; gradients accumulate in .grad.
-
-    normalization="token" (exact): every micro-batch contributes lm_loss(reduction="sum") / n_tokens_total,
-    so the accumulated gradient is that of the mean token loss over the whole step, whatever the lengths.
-    normalization="naive" (MiniMind's loop): mean loss of each micro-batch / k, which over-weights the tokens of
-    short micro-batches. Does not step the optimizer. Returns loss_sum, n_tokens, loss, micro_batches, rows.
-    Under torch.distributed (a DDP-wrapped model) the token count and the logged loss sum are all-reduced,
-    gradients sync only on the last micro-batch (no_sync), and the result equals one process on all the data.
-    """
-    if normalization not in NORMALIZATIONS:
-        raise ValueError(f"normalization={normalization!r}; choose one of {NORMALIZATIONS}")
-    if not micro_batches:
-        raise ValueError("accumulate_step got no micro-batches")
-    device = torch.device(device) if device is not None else next(model.parameters()).device
-    world = world_size()
-    if n_tokens_total is None:
-        n_tokens_total = step_token_count(micro_batches, device)
-    if n_tokens_total <= 0:
-        raise ValueError("accumulate_step: the step has no trained tokens (every shifted label is -100)")
-    k = len(micro_batches)
-    loss_sum = torch.zeros((), device=device, dtype=torch.float32)
-    rows = padded = 0
-    for i, mb in enumerate(micro_batches):
-        mb = _to_device(mb, device)
-        # Under DDP, all-reduce the gradients once per step: skip the sync on all but the last micro-batch.
-        sync = model.no_sync() if (world > 1 and i < k - 1 and hasattr(model, "no_sync")) else contextlib.nullcontext()
-        with sync:
-            with torch.autocast(device_type=device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-                logits = _forward_logits(model, mb)
-            # lm_loss computes in fp32 outside autocast's low precision (MiniMind does CE in fp32 too).
-            token_loss_sum = _lm_loss_sum(logits, mb["labels"])
-            if normalization == "token":
-                # DDP averages gradients over ranks; x world undoes that, so the sum is over all ranks' tokens.
-                loss = token_loss_sum * (world / n_tokens_total)
-            else:
-                n_mb = batch_token_count(mb["labels"])
-                loss = token_loss_sum / max(n_mb, 1) / k
-            (scaler.scale(loss) if scaler is not None else loss).backward()
-        loss_sum += token_loss_sum.detach().float()
-        rows += mb["input_ids"].shape[0]
-        padded += mb["input_ids"].numel()
-    if world > 1:  # the logged loss is the step's global token mean
-        loss_sum = all_reduce_sum(float(loss_sum), device, torch.float64)
-    loss_sum_f = float(loss_sum)  # one device sync per step
-    return {"loss_sum": loss_sum_f, "n_tokens": int(n_tokens_total), "loss": loss_sum_f / n_tokens_total,
-            "micro_batches": k, "rows": rows, "padded_tokens": padded}
-
-
-# --------------------------------------------------------------------------------------------- evaluation
-
-
+# 7. Validation (04, section 6) ---------------------------------------------------------------------------------
 @torch.no_grad()
 def evaluate(model: nn.Module, batches: Iterable[dict], *, device: torch.device | str | None = None,
-             amp_dtype: torch.dtype | None = None, max_batches: int | None = None) -> dict:
+             amp_dtype: torch.dtype | None = None) -> dict:
     """Token-weighted validation loss (sum of token losses / tokens) and its perplexity exp(loss)."""
     device = torch.device(device) if device is not None else next(model.parameters()).device
-    was_training = model.training
+    was_training, total, n = model.training, 0.0, 0
     model.eval()
-    total, n = 0.0, 0
     try:
-        for i, mb in enumerate(batches):
-            if max_batches is not None and i >= max_batches:
-                break
+        for mb in batches:
             mb = _to_device(mb, device)
             with torch.autocast(device_type=device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-                logits = _forward_logits(model, mb)
-            total += float(_lm_loss_sum(logits, mb["labels"]))
-            n += batch_token_count(mb["labels"])
+                logits = forward_logits(model, mb)
+            total += float(lm_loss(logits, mb["labels"], reduction="sum"))
+            n += trained_tokens(mb["labels"])
     finally:
         model.train(was_training)
     if n == 0:
         raise ValueError("evaluate: the batches have no trained tokens")
-    loss = total / n
-    return {"loss": loss, "ppl": math.exp(min(loss, 50.0)), "tokens": n}
+    return {"loss": total / n, "ppl": math.exp(min(total / n, 50.0)), "tokens": n}
 
 
-# --------------------------------------------------------------------------------------------- data stream
+# 8. The loop (04, section 6): fit = start, then per step: train, count bad steps, evaluate and save ----------
+class _Run:
+    """What one `fit` call carries from step to step: model, optimizer, scaler, data position, counters."""
+
+    def __init__(self, model: nn.Module, data: Iterable, cfg: TrainConfig, device: torch.device, controller: Any,
+                 meter: Any, is_main_process: bool) -> None:
+        self.model, self.cfg, self.device, self.controller = model.to(device).train(), cfg, device, controller
+        self.amp = resolve_amp(cfg.amp, device)
+        self.optimizer, self.scaler = build_optimizer(model, cfg, device), make_scaler(self.amp, device)
+        self.stream, self.is_main_process = DataStream(data), is_main_process
+        self.ckpt_path = Path(cfg.ckpt_dir) / "last.pt" if cfg.ckpt_dir else None
+        if meter is None:  # a controller measures with its own meter (its budget); else a free one on CUDA
+            meter = getattr(controller, "meter", None) if controller is not None else (
+                MemoryMeter(device) if device.type == "cuda" else None)
+        self.meter = meter
+        self.step = self.bad_in_row = self.bad_steps = self.rollbacks = self.scaler_skips = 0
+        self.lr_scale, self.data_exhausted, self.dropped_micro_batches = 1.0, False, 0
+
+    def accumulate_fn(self, micro_batches: Sequence[dict], *, forward_model: nn.Module | None = None,
+                      n_tokens_total: int | None = None) -> dict:
+        """accumulate_step with the run's AMP (what a controller calls; forward_model: e.g. the DDP wrapper)."""
+        return accumulate_step(forward_model if forward_model is not None else self.model, micro_batches,
+                               amp_dtype=self.amp.dtype, scaler=self.scaler, device=self.device,
+                               n_tokens_total=n_tokens_total, normalization=self.cfg.normalization)
+
+    def save(self) -> str:
+        """Write the training state to ckpt_dir/last.pt (rank 0 only, never NaN weights); the event to log."""
+        if self.ckpt_path is None:
+            return ""
+        if not all(bool(torch.isfinite(p).all()) for p in self.model.parameters()):
+            return "ckpt_skipped_nonfinite"
+        if self.is_main_process:  # data parallel: rank 0 writes, every rank reads (resume, NaN rollback)
+            save_training_state(self.ckpt_path, self.model, self.optimizer, cfg=self.cfg, step=self.step,
+                                scaler=self.scaler, data_state=self.stream.state_dict(), controller=self.controller,
+                                extra={"lr_scale": self.lr_scale, "bad_steps": self.bad_steps})
+        return "ckpt"
+
+    def restore(self, path: str | Path, check_config: bool) -> None:
+        """Load a training state: weights, optimizer, scaler, controller, step, data position, RNGs."""
+        info = load_training_state(path, self.model, optimizer=self.optimizer, scaler=self.scaler,
+                                   controller=self.controller, cfg=self.cfg if check_config else None,
+                                   map_location=self.device, restore_rng=False)
+        self.step, self.lr_scale = info["step"], info["extra"].get("lr_scale", 1.0)
+        self.bad_steps = info["extra"].get("bad_steps", 0)
+        self.stream.load_state_dict(info["data"])
+        set_rng_state(info["rng"])  # last: re-creating the data iterator may draw from the RNG (a shuffling loader)
 
 
-class DataStream:
-    """Endless iteration over a re-iterable source (list, DataLoader), epoch by epoch, with a resumable position.
-
-    The position is (epoch, offset): items drawn from the current epoch. Resuming re-creates the epoch's
-    iterator (calling `set_epoch` on the source's sampler when there is one, as DistributedSampler and the
-    token-budget sampler expect) and skips `offset` items, so the data order must be deterministic per epoch.
-    """
-
-    def __init__(self, source: Iterable) -> None:
-        self.source = source
-        # An iterator (a generator) cannot be restarted; a list or DataLoader can. Checked without calling
-        # iter(), which would start a DataLoader's workers and draw from the RNG.
-        self.restartable = not hasattr(source, "__next__")
-        self.epoch = 0
-        self.offset = 0
-        self._it = None
-
-    def _set_epoch(self) -> None:
-        for obj in (self.source, getattr(self.source, "sampler", None), getattr(self.source, "batch_sampler", None)):
-            if obj is not None and hasattr(obj, "set_epoch"):
-                obj.set_epoch(self.epoch)
-
-    def _start_epoch(self) -> None:
-        self._set_epoch()
-        self._it = iter(self.source)
-
-    def next(self) -> Any:
-        """The next item; starts a new epoch when the current one ends (StopIteration for a spent generator)."""
-        if self._it is None:
-            self._start_epoch()
+def _accumulate(run: _Run, events: list[str]) -> dict:
+    """Forward+backward of one optimizer step: cfg.accum_steps micro-batches, or the controller's split."""
+    if run.controller is None:
+        micro: list = []
         try:
-            item = next(self._it)
+            while len(micro) < run.cfg.accum_steps:
+                micro.append(run.stream.next())
         except StopIteration:
-            if not self.restartable:
-                raise
-            if self.offset == 0:
-                raise ValueError("the training data is empty: an epoch yielded no batches") from None
-            self.epoch += 1
-            self.offset = 0
-            self._start_epoch()
-            item = next(self._it)
-        self.offset += 1
-        return item
-
-    def state_dict(self) -> dict:
-        """Position as plain ints (stored in checkpoints)."""
-        return {"epoch": int(self.epoch), "offset": int(self.offset)}
-
-    def load_state_dict(self, state: dict) -> None:
-        """Move to a stored position: same epoch, skip `offset` items."""
-        self.epoch, target = int(state["epoch"]), int(state["offset"])
-        self._start_epoch()
-        self.offset = 0
-        for _ in range(target):
-            next(self._it)
-            self.offset += 1
+            run.dropped_micro_batches = len(micro)
+            raise
+        return run.accumulate_fn(micro)
+    takes_zero_grad = "zero_grad" in inspect.signature(run.controller.run_step).parameters
+    kw = {"zero_grad": run.model} if takes_zero_grad else {}  # it clears the grads itself on OOM retries
+    stats = dict(run.controller.run_step(run.stream.next(), run.accumulate_fn, **kw))
+    events += [str(e) for e in stats.pop("events", []) or []]
+    return stats
 
 
-# --------------------------------------------------------------------------------------------- RNG
+def _train_step(run: _Run) -> dict | None:
+    """One optimizer step: set the LR, accumulate, clip and update; its metrics row (None: the data ran out)."""
+    cfg, step, events = run.cfg, run.step, []
+    lr = lr_at(step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps, max_steps=cfg.max_steps)
+    lr *= run.lr_scale  # lowered by NaN rollbacks
+    for group in run.optimizer.param_groups:
+        group["lr"] = lr
+    t0 = time.perf_counter()
+    with run.meter.track(run.model, run.optimizer) if hasattr(run.meter, "track") else contextlib.nullcontext():
+        if run.meter is not None:
+            run.meter.reset_peak()
+        try:
+            stats = _accumulate(run, events)
+        except StopIteration:  # a spent generator: stop, and say what was left over
+            run.data_exhausted = True
+            return None
+        loss = stats["loss_sum"] / max(stats["n_tokens"], 1)
+        if not math.isfinite(loss):  # a NaN/inf loss poisons every gradient: drop the step, keep the scaler out
+            run.optimizer.zero_grad(set_to_none=True)
+            grad_norm, skipped = float("nan"), True
+            events.append("nonfinite_loss_skipped")
+        else:
+            scale_before = run.scaler.get_scale() if run.scaler is not None else None
+            params = [p for p in run.model.parameters() if p.requires_grad]
+            grad_norm, finite = optimizer_step(run.optimizer, params, cfg.grad_clip, run.scaler)
+            skipped = not finite and run.scaler is None
+            if not finite and run.scaler is not None:  # the usual fp16 overflow: the scaler lowered its scale
+                run.scaler_skips += 1
+                events.append(f"scaler_skip(scale {scale_before:g}->{run.scaler.get_scale():g})")
+            elif skipped:
+                events.append("nonfinite_grad_skipped")
+    step_time = time.perf_counter() - t0
+    row = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": stats["n_tokens"],
+           "tokens_per_s": stats["n_tokens"] / step_time if step_time > 0 else float("nan"),
+           "peak_memory_bytes": float("nan") if run.meter is None else float(run.meter.peak()),
+           "step_time": step_time, "skipped": skipped, "val_loss": float("nan"), "val_ppl": float("nan"),
+           "scale": run.scaler.get_scale() if run.scaler is not None else float("nan"), "events": events}
+    for key, value in stats.items():  # controller extras: micro_batch_size, accum, seq_len, ...
+        if key not in row and key not in ("loss_sum", "n_tokens") and isinstance(value, (int, float, str)):
+            row[key] = value
+    return row
 
 
-def seed_everything(seed: int) -> None:
-    """Seed python, numpy and torch (CPU and all GPUs)."""
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-
-
-# --------------------------------------------------------------------------------------------- memory meter glue
-
-
-def _default_meter(device: torch.device):
-    """A MemoryMeter on CUDA (free: the allocator counts anyway); on CPU only when the caller passes one."""
-    if device.type != "cuda":
-        return None
-    try:
-        from .memory import MemoryMeter
-    except ImportError:
-        return None
-    return MemoryMeter(device)
-
-
-def _meter_track(meter, model: nn.Module, optimizer: torch.optim.Optimizer):
-    """The meter's measuring context for one step (CPU: live-tensor tracking; CUDA: the allocator's counters)."""
-    if meter is None or not hasattr(meter, "track"):
-        return contextlib.nullcontext()
-    return meter.track(model, optimizer)
-
-
-def _meter_peak(meter) -> float:
-    """Peak bytes since the meter's last reset_peak() (NaN without a meter)."""
-    return float("nan") if meter is None else float(meter.peak())
-
-
-# --------------------------------------------------------------------------------------------- the loop
-
-
-def _accepts(fn: Callable, name: str) -> bool:
-    """Whether `fn` takes a keyword argument `name` (the controller may clear grads itself on OOM retries)."""
-    import inspect
-
-    try:
-        return name in inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
-
-
-def _params_finite(model: nn.Module) -> bool:
-    """True when every parameter is finite (a NaN checkpoint must never be written)."""
-    return all(bool(torch.isfinite(p).all()) for p in model.parameters())
-
-
-def _optimizer_step(stats: dict, optimizer, scaler, params, cfg: TrainConfig, events: list, state: dict):
-    """Unscale, clip, step (or skip a non-finite step), zero the grads; return (grad_norm, skipped)."""
-    loss = stats["loss_sum"] / max(stats["n_tokens"], 1)
-    if not math.isfinite(loss):
-        # A NaN/inf loss poisons every gradient: drop the step and keep the scaler out of it.
-        optimizer.zero_grad(set_to_none=True)
-        events.append("nonfinite_loss_skipped")
-        return float("nan"), True
-    if scaler is not None:
-        scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
-    max_norm = cfg.grad_clip if cfg.grad_clip else float("inf")
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-    skipped = False
-    if scaler is not None:
-        scale_before = scaler.get_scale()
-        scaler.step(optimizer)  # skips the update itself when the grads hold inf/NaN
-        scaler.update()
-        if not math.isfinite(grad_norm):
-            state["scaler_skips"] += 1  # the usual fp16 overflow: the scaler lowers its scale, not a bad step
-            events.append(f"scaler_skip(scale {scale_before:g}->{scaler.get_scale():g})")
-    elif math.isfinite(grad_norm):
-        optimizer.step()
+def _count_bad_step(run: _Run, row: dict) -> None:
+    """Advance the step; after cfg.max_bad_steps skipped steps in a row, roll back to last.pt at a lower LR."""
+    cfg, events = run.cfg, row["events"]
+    run.bad_in_row = run.bad_in_row + 1 if row["skipped"] else 0
+    run.bad_steps += int(row["skipped"])
+    if run.bad_in_row < cfg.max_bad_steps:
+        run.step += 1
+        return
+    if run.rollbacks >= cfg.max_rollbacks:
+        raise RuntimeError(f"training diverged: {run.bad_in_row} non-finite steps in a row at step {row['step']} "
+                           f"after {run.rollbacks} rollbacks (lr scale {run.lr_scale:g})")
+    run.rollbacks += 1
+    new_scale = run.lr_scale * cfg.lr_backoff
+    if run.ckpt_path is not None and run.ckpt_path.exists():
+        bad_total = run.bad_steps
+        run.restore(run.ckpt_path, check_config=False)
+        run.bad_steps = bad_total
+        events.append(f"rollback_to_step_{run.step}")
     else:
-        skipped = True
-        events.append("nonfinite_grad_skipped")
-    optimizer.zero_grad(set_to_none=True)
-    return grad_norm, skipped
+        events.append("no_checkpoint_to_roll_back_to")
+        run.step += 1
+    run.lr_scale, run.bad_in_row = new_scale, 0
+    events.append(f"lr_scale={new_scale:g}")
+
+
+def _evaluate_and_save(run: _Run, row: dict, val_batches: Iterable[dict] | None) -> None:
+    """After a good step: validation every cfg.eval_every steps and at the end, a checkpoint every cfg.ckpt_every."""
+    cfg, done = run.cfg, run.step
+    if row["skipped"]:
+        return
+    if val_batches is not None and ((cfg.eval_every and done % cfg.eval_every == 0) or done == cfg.max_steps):
+        ev = evaluate(run.model, val_batches, device=run.device, amp_dtype=run.amp.dtype)
+        row["val_loss"], row["val_ppl"] = ev["loss"], ev["ppl"]
+    if cfg.ckpt_every and done % cfg.ckpt_every == 0 and (tag := run.save()):
+        row["events"].append(tag)
 
 
 def fit(model: nn.Module, train_batches_or_loader: Iterable, cfg: TrainConfig, *, device: torch.device | str,
         val_batches: Iterable[dict] | None = None, controller: Any = None, meter: Any = None,
         callbacks: Sequence[Callable[[int, dict], Any]] | None = None,
-        resume_from: str | Path | None = None, is_main_process: bool = True) -> "pd.DataFrame":
-    """Train `model` for cfg.max_steps optimizer steps; return one metrics row per optimizer step.
+        resume_from: str | Path | None = None, is_main_process: bool = True) -> pd.DataFrame:
+    """Train `model` for cfg.max_steps optimizer steps; return one metrics row per step (a DataFrame).
 
-    Without a controller, `train_batches_or_loader` yields collated micro-batches ({"input_ids", "labels",
-    "attention_mask"}) and every cfg.accum_steps of them make one optimizer step. With a controller, it yields
-    the list of dataset samples of each step, and `controller.run_step(samples, accumulate_fn)` splits them
-    into micro-batches (and recovers from OOM); its events go into the frame's `event` column.
-    Each callback is called as cb(step, row) after the step; returning "stop" ends training early.
-    Columns: step, loss, lr, grad_norm, tokens, tokens_per_s, peak_memory_bytes, wall_time, step_time,
-    skipped, event, scale, val_loss, val_ppl (plus any scalar stats the controller returns).
-    """
-    import pandas as pd
-    from tqdm.auto import tqdm
-
-    from .checkpoint import load_training_state, save_training_state, set_rng_state
-
-    device = torch.device(device)
-    model.to(device)
-    model.train()
-    amp = resolve_amp(cfg.amp, device)
-    scaler = make_scaler(amp, device)
-    optimizer = build_optimizer(model, cfg, device)
-    if meter is None:  # a controller measures with its own meter (its budget); else a free one on CUDA
-        meter = getattr(controller, "meter", None) if controller is not None else _default_meter(device)
-    stream = DataStream(train_batches_or_loader)
-    callbacks = list(callbacks or [])
-    ckpt_path = Path(cfg.ckpt_dir) / "last.pt" if cfg.ckpt_dir else None
-
-    state = {"step": 0, "lr_scale": 1.0, "bad_in_row": 0, "bad_steps": 0, "rollbacks": 0, "scaler_skips": 0,
-             "data_exhausted": False, "dropped_micro_batches": 0}
-
-    def restore(path: Path, check_config: bool) -> None:
-        info = load_training_state(path, model, optimizer=optimizer, scaler=scaler, controller=controller,
-                                   cfg=cfg if check_config else None, map_location=device, restore_rng=False)
-        state["step"] = info["step"]
-        state["lr_scale"] = info["extra"].get("lr_scale", 1.0)
-        state["bad_steps"] = info["extra"].get("bad_steps", 0)
-        stream.load_state_dict(info["data"])
-        # RNG last: re-creating the data iterator above may draw from it (a shuffling DataLoader does).
-        set_rng_state(info["rng"])
-
-    def save() -> str:
-        if ckpt_path is None:
-            return ""
-        if not _params_finite(model):
-            return "ckpt_skipped_nonfinite"
-        if not is_main_process:  # data parallel: rank 0 writes, every rank reads (resume, NaN rollback)
-            return "ckpt"
-        save_training_state(ckpt_path, model, optimizer, cfg=cfg, step=state["step"], scaler=scaler,
-                            data_state=stream.state_dict(), controller=controller,
-                            extra={"lr_scale": state["lr_scale"], "bad_steps": state["bad_steps"]})
-        return "ckpt"
-
+    Without a controller the data yields collated micro-batches, cfg.accum_steps per step; with one it yields each
+    step's samples and `controller.run_step` splits them. cb(step, row) runs after each step; "stop" ends training.
+    Columns: step, loss, lr, grad_norm, tokens, tokens_per_s, peak_memory_bytes, step_time, skipped, val_loss,
+    val_ppl, scale, wall_time, event (plus the controller's scalar stats)."""
+    run = _Run(model, train_batches_or_loader, cfg, torch.device(device), controller, meter, is_main_process)
     if resume_from is not None:
-        restore(Path(resume_from), check_config=True)
+        run.restore(Path(resume_from), check_config=True)
     else:
         seed_everything(cfg.seed)
-
-    def accumulate_fn(micro_batches: Sequence[dict], *, forward_model: nn.Module | None = None,
-                      n_tokens_total: int | None = None) -> dict:
-        # forward_model: e.g. the DistributedDataParallel wrapper of `model` (minimind_lib.distributed);
-        # n_tokens_total: the step's trained tokens all-reduced over the ranks (None: count these micro-batches).
-        return accumulate_step(forward_model if forward_model is not None else model, micro_batches,
-                               amp_dtype=amp.dtype, scaler=scaler, device=device,
-                               n_tokens_total=n_tokens_total, normalization=cfg.normalization)
-
-    rows: list[dict] = []
-    t_start = time.perf_counter()
-    bar = tqdm(total=cfg.max_steps, initial=state["step"], disable=not cfg.progress, desc="train")
-    params = [p for p in model.parameters() if p.requires_grad]
-    stop = False
+    rows, stop, t_start = [], False, time.perf_counter()
+    bar = tqdm(total=cfg.max_steps, initial=run.step, disable=not cfg.progress, desc="train")
     try:
-        while state["step"] < cfg.max_steps and not stop:
-            step = state["step"]
-            lr = lr_at(step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps,
-                       max_steps=cfg.max_steps) * state["lr_scale"]
-            for g in optimizer.param_groups:
-                g["lr"] = lr
-            events: list[str] = []
-            t0 = time.perf_counter()
-            with _meter_track(meter, model, optimizer):
-                if meter is not None:
-                    meter.reset_peak()
-                micro: list = []
-                try:
-                    if controller is None:
-                        while len(micro) < cfg.accum_steps:
-                            micro.append(stream.next())
-                        stats = accumulate_fn(micro)
-                    else:
-                        kw = {"zero_grad": model} if _accepts(controller.run_step, "zero_grad") else {}
-                        stats = dict(controller.run_step(stream.next(), accumulate_fn, **kw))
-                        events += [str(e) for e in stats.pop("events", []) or []]
-                except StopIteration:  # a spent generator: stop, and say what was left over
-                    state["data_exhausted"] = True
-                    state["dropped_micro_batches"] = len(micro)
-                    break
-                grad_norm, skipped = _optimizer_step(stats, optimizer, scaler, params, cfg, events, state)
-            step_time = time.perf_counter() - t0
-            loss = stats["loss_sum"] / max(stats["n_tokens"], 1)
-            peak = _meter_peak(meter)
-            row = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": stats["n_tokens"],
-                   "tokens_per_s": stats["n_tokens"] / step_time if step_time > 0 else float("nan"),
-                   "peak_memory_bytes": peak, "step_time": step_time, "skipped": skipped,
-                   "scale": scaler.get_scale() if scaler is not None else float("nan"),
-                   "val_loss": float("nan"), "val_ppl": float("nan")}
-            for key, value in stats.items():  # controller extras: micro_batch_size, accum, seq_len, ...
-                if key not in row and key not in ("loss_sum", "n_tokens") and isinstance(value, (int, float, str)):
-                    row[key] = value
-
-            if skipped:
-                state["bad_in_row"] += 1
-                state["bad_steps"] += 1
-                if state["bad_in_row"] >= cfg.max_bad_steps:
-                    if state["rollbacks"] >= cfg.max_rollbacks:
-                        raise RuntimeError(
-                            f"training diverged: {state['bad_in_row']} non-finite steps in a row at step {step} "
-                            f"after {state['rollbacks']} rollbacks (lr scale {state['lr_scale']:g})")
-                    state["rollbacks"] += 1
-                    new_scale = state["lr_scale"] * cfg.lr_backoff
-                    if ckpt_path is not None and ckpt_path.exists():
-                        bad_total = state["bad_steps"]
-                        restore(ckpt_path, check_config=False)
-                        state["bad_steps"] = bad_total
-                        events.append(f"rollback_to_step_{state['step']}")
-                    else:
-                        events.append("no_checkpoint_to_roll_back_to")
-                        state["step"] += 1
-                    state["lr_scale"] = new_scale
-                    events.append(f"lr_scale={new_scale:g}")
-                    state["bad_in_row"] = 0
-                else:
-                    state["step"] += 1
-            else:
-                state["bad_in_row"] = 0
-                state["step"] += 1
-
-            done_steps = state["step"]
-            if not skipped and val_batches is not None and (
-                    (cfg.eval_every and done_steps % cfg.eval_every == 0) or done_steps == cfg.max_steps):
-                ev = evaluate(model, val_batches, device=device, amp_dtype=amp.dtype)
-                row["val_loss"], row["val_ppl"] = ev["loss"], ev["ppl"]
-            if not skipped and cfg.ckpt_every and done_steps % cfg.ckpt_every == 0:
-                tag = save()
-                if tag:
-                    events.append(tag)
+        while run.step < cfg.max_steps and not stop:
+            row = _train_step(run)
+            if row is None:
+                break
+            _count_bad_step(run, row)
+            _evaluate_and_save(run, row, val_batches)
             row["wall_time"] = time.perf_counter() - t_start
-            row["event"] = ";".join(events)
+            row["event"] = ";".join(row.pop("events"))
             rows.append(row)
-            bar.update(max(0, done_steps - bar.n))
-            if cfg.progress and (cfg.log_every <= 1 or step % cfg.log_every == 0):
-                bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}")
-            for cb in callbacks:
-                if cb(step, row) == "stop":
-                    stop = True
-        if ckpt_path is not None and rows and "ckpt" not in rows[-1]["event"].split(";"):
-            tag = save()  # the final state, so a later run (or notebook) can resume or load it
+            bar.update(max(0, run.step - bar.n))
+            if cfg.progress and (cfg.log_every <= 1 or row["step"] % cfg.log_every == 0):
+                bar.set_postfix(loss=f"{row['loss']:.3f}", lr=f"{row['lr']:.2e}")
+            stop = "stop" in [cb(row["step"], row) for cb in callbacks or []]  # every callback runs
+        if run.ckpt_path is not None and rows and "ckpt" not in rows[-1]["event"].split(";"):
+            tag = run.save()  # the final state, so a later run (or notebook) can resume or load it
             rows[-1]["event"] = ";".join(e for e in (rows[-1]["event"], tag) if e)
     finally:
         bar.close()
     df = pd.DataFrame(rows)
-    df.attrs.update({"amp": amp.name, "amp_reason": amp.reason, "bad_steps": state["bad_steps"],
-                     "rollbacks": state["rollbacks"], "scaler_skips": state["scaler_skips"],
-                     "final_lr_scale": state["lr_scale"], "data_exhausted": state["data_exhausted"],
-                     "dropped_micro_batches": state["dropped_micro_batches"]})
-    if state["data_exhausted"]:
-        import warnings
-
-        warnings.warn(f"training data ran out after {state['step']} of {cfg.max_steps} steps; "
-                      f"{state['dropped_micro_batches']} micro-batch(es) of an incomplete step were not trained",
+    df.attrs.update({"amp": run.amp.name, "amp_reason": run.amp.reason, "bad_steps": run.bad_steps,
+                     "rollbacks": run.rollbacks, "scaler_skips": run.scaler_skips, "final_lr_scale": run.lr_scale,
+                     "data_exhausted": run.data_exhausted, "dropped_micro_batches": run.dropped_micro_batches})
+    if run.data_exhausted:
+        warnings.warn(f"training data ran out after {run.step} of {cfg.max_steps} steps; "
+                      f"{run.dropped_micro_batches} micro-batch(es) of an incomplete step were not trained",
                       stacklevel=2)
     return df

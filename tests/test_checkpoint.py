@@ -8,14 +8,22 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarks.accumulation import collate, synthetic_samples
-from minimind_lib.checkpoint import (get_rng_state, load_training_state, read_training_state, save_training_state,
-                                     set_rng_state)
+from minimind_lib.data import pad_collate
+from minimind_lib.checkpoint import (DataStream, atomic_save, get_rng_state, load_training_state, read_training_state,
+                                     save_training_state, set_rng_state)
 from minimind_lib.model import MiniMindConfig, MiniMindForCausalLM, load_checkpoint, save_checkpoint
 from minimind_lib.train import TrainConfig, build_optimizer, fit
 
 torch.set_num_threads(1)  # tiny matmuls: one thread is fastest, and the CI machine's 2 cores are shared
 VOCAB = 256
+
+
+def synthetic_samples(n: int, *, vocab_size: int, min_len: int, max_len: int, seed: int = 0) -> list[dict]:
+    """`n` pretrain-style samples of random token ids, lengths spread over [min_len, max_len]."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(min_len, max_len + 1, (n,), generator=g).tolist()
+    return [{"input_ids": ids, "labels": ids.clone()} for ids in (torch.randint(3, vocab_size, (m,), generator=g)
+                                                                   for m in lengths)]
 
 
 def tiny_model(seed: int = 0) -> MiniMindForCausalLM:
@@ -25,7 +33,7 @@ def tiny_model(seed: int = 0) -> MiniMindForCausalLM:
 
 def batches(n: int, rows: int = 3, seed: int = 0) -> list[dict]:
     s = synthetic_samples(n * rows, vocab_size=VOCAB, min_len=3, max_len=20, seed=seed)
-    return [collate(s[i * rows:(i + 1) * rows]) for i in range(n)]
+    return [pad_collate(s[i * rows:(i + 1) * rows]) for i in range(n)]
 
 
 def cfg(**kw) -> TrainConfig:
@@ -155,3 +163,33 @@ def test_never_writes_a_nan_checkpoint(tmp_path):
     with pytest.raises(ValueError, match="refusing to write.*'model.norm.weight'.*NaN"):
         save_training_state(tmp_path / "nan.pt", model, opt, cfg=cfg(), step=1)
     assert not (tmp_path / "nan.pt").exists() and not list(tmp_path.iterdir())
+
+
+def test_atomic_save_round_trips_and_leaves_no_temp_file(tmp_path):
+    path = atomic_save({"x": torch.arange(3), "n": 2}, tmp_path / "sub" / "obj.pt")
+    assert path == tmp_path / "sub" / "obj.pt" and [p.name for p in path.parent.iterdir()] == ["obj.pt"]
+    loaded = torch.load(path, weights_only=True)
+    assert torch.equal(loaded["x"], torch.arange(3)) and loaded["n"] == 2
+
+
+def test_data_stream_sets_the_epoch_of_a_sampler_and_resumes_mid_epoch():
+    class Sampled(list):  # a source with a sampler whose order depends on the epoch, like DistributedSampler
+        def __init__(self):
+            super().__init__()
+            self.sampler = self
+
+        def set_epoch(self, epoch):
+            self[:] = [epoch * 10 + i for i in range(3)]
+
+    s = DataStream(Sampled())
+    assert [s.next() for _ in range(5)] == [0, 1, 2, 10, 11]
+    t = DataStream(Sampled())
+    t.load_state_dict(s.state_dict())
+    assert [t.next() for _ in range(2)] == [12, 20]
+
+
+def test_a_spent_generator_raises_stop_iteration():
+    s = DataStream(iter([1]))
+    assert s.next() == 1
+    with pytest.raises(StopIteration):
+        s.next()

@@ -8,13 +8,44 @@ import pytest
 import torch
 
 import minimind_lib.device as device_mod
-from benchmarks.accumulation import collate, gradients, max_rel_err, split, synthetic_samples
+from minimind_lib.data import pad_collate, trained_tokens
 from minimind_lib.model import MiniMindConfig, MiniMindForCausalLM, lm_loss
 from minimind_lib.train import (AmpSettings, DataStream, TrainConfig, accumulate_step, build_optimizer, evaluate,
-                                fit, lr_at, resolve_amp, step_token_count)
+                                fit, forward_logits, lr_at, optimizer_step, resolve_amp, step_token_count)
 
 torch.set_num_threads(1)  # tiny matmuls: one thread is fastest, and the CI machine's 2 cores are shared
 VOCAB = 256  # a small vocabulary keeps the LM head (the biggest matmul of the smoke model) cheap
+
+
+def synthetic_samples(n: int, *, vocab_size: int = VOCAB, min_len: int = 3, max_len: int = 24,
+                      seed: int = 0) -> list[dict]:
+    """`n` pretrain-style samples of random token ids, lengths spread over [min_len, max_len]."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(min_len, max_len + 1, (n,), generator=g).tolist()
+    return [{"input_ids": ids, "labels": ids.clone()} for ids in (torch.randint(3, vocab_size, (m,), generator=g)
+                                                                   for m in lengths)]
+
+
+def collate(samples: list[dict]) -> dict:
+    return pad_collate(samples)
+
+
+def split(samples: list[dict], k: int) -> list[dict]:
+    m = len(samples) // k
+    return [collate(samples[i * m:(i + 1) * m]) for i in range(k)]
+
+
+def gradients(model, micro_batches, normalization: str = "token") -> torch.Tensor:
+    """The flattened gradient of one step's loss over `micro_batches` (fp32)."""
+    model.zero_grad(set_to_none=True)
+    accumulate_step(model, micro_batches, normalization=normalization)
+    flat = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+    model.zero_grad(set_to_none=True)
+    return flat
+
+
+def max_rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
 
 
 def tiny_model(seed: int = 0) -> MiniMindForCausalLM:
@@ -82,6 +113,44 @@ def test_resolve_amp(monkeypatch):
         resolve_amp("int8", "cpu")
 
 
+def test_resolve_amp_auto_on_mps_is_fp32_whatever_the_bf16_support(monkeypatch):
+    for native in (True, False):
+        monkeypatch.setattr(device_mod, "bf16_native", lambda d, native=native: native)
+        a = resolve_amp("auto", "mps")
+        assert a.dtype is None and not a.use_scaler and "opt in with amp='bf16'" in a.reason
+
+
+def test_optimizer_step_clips_measures_and_skips_nonfinite():
+    w = torch.nn.Parameter(torch.ones(4))
+    opt = torch.optim.SGD([w], lr=1.0)
+    w.grad = torch.full((4,), 3.0)  # norm 6
+    norm, finite = optimizer_step(opt, [w], 1.0)
+    assert finite and norm == pytest.approx(6.0) and w.grad is None
+    assert torch.allclose(w.detach(), torch.full((4,), 1 - 0.5), atol=1e-5)  # clipped to norm 1: each entry 0.5
+    w.grad = torch.full((4,), 3.0)
+    norm, _ = optimizer_step(opt, [w], None)  # None: measure, do not clip
+    assert norm == pytest.approx(6.0) and torch.allclose(w.detach(), torch.full((4,), 0.5 - 3.0))
+    before = w.detach().clone()
+    w.grad = torch.tensor([1.0, float("nan"), 0.0, 0.0])
+    norm, finite = optimizer_step(opt, [w], 1.0)
+    assert not finite and math.isnan(norm) and torch.equal(w.detach(), before) and w.grad is None
+
+
+def test_optimizer_step_with_scaler_unscales_before_clipping():
+    w = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([w], lr=1.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    scaler.scale((w * torch.tensor([3.0, 4.0])).sum()).backward()  # true gradient (3, 4): norm 5
+    norm, finite = optimizer_step(opt, [w], 10.0, scaler)
+    assert finite and norm == pytest.approx(5.0) and torch.allclose(w.detach(), torch.tensor([-2.0, -3.0]))
+
+
+def test_forward_logits_equals_the_model_on_a_right_padded_batch():
+    model = tiny_model()
+    b = batches(1)[0]
+    assert torch.allclose(forward_logits(model, b), model(b["input_ids"], attention_mask=b["attention_mask"]).logits)
+
+
 def test_optimizer_decays_only_2d_weights():
     model = tiny_model()
     opt = build_optimizer(model, cfg(weight_decay=0.1), "cpu")
@@ -113,6 +182,7 @@ def test_accumulate_step_returns_token_loss():
     mbs = batches(3)
     n = step_token_count(mbs)
     assert n == sum(int((b["labels"][:, 1:] != -100).sum()) for b in mbs)
+    assert n == sum(trained_tokens(b["labels"]) for b in mbs)
     out = accumulate_step(model, mbs)
     with torch.no_grad():
         ref = sum(float(lm_loss(model(b["input_ids"]).logits, b["labels"], reduction="sum")) for b in mbs) / n
@@ -208,6 +278,13 @@ class SplitController:
 
     def load_state_dict(self, state):
         self.rows = state["rows"]
+
+
+def test_every_callback_runs_and_stop_ends_training():
+    calls = []
+    df = fit(tiny_model(), batches(2), cfg(max_steps=5), device="cpu",
+             callbacks=[lambda step, row: "stop" if step == 1 else None, lambda step, row: calls.append(step)])
+    assert df["step"].tolist() == [0, 1] and calls == [0, 1]  # the second callback ran at the stopping step too
 
 
 def test_fit_with_controller_logs_events():
