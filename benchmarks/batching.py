@@ -13,7 +13,7 @@ model (same initial weights for every strategy):
   between the peaks of the full and the quarter micro-batch; samples_lost adds the samples the sampler's
   epoch missed and those the controller lost (both must be 0).
 
-The helpers here are what notebook 06 imports. Times are compared only as ratios of the same run.
+Notebook 06 writes its own experiments in cells. Times are compared only as ratios of the same run.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from minimind_lib.batching import (
     TokenBudgetBatchSampler,
     collate_packed,
     pack_sequences,
-    pad_collate,
 )
+from minimind_lib.data import pad_collate
 
 STRATEGIES = ("fixed", "longest", "token_budget", "packed")
 
@@ -63,7 +63,7 @@ def epoch_padding(lengths: np.ndarray, profile, seed: int = 0, samples: Sequence
     real = int(lengths.sum())
     fixed = 1.0 - real / (n * T)
     padded_longest = sum(len(c) * int(lengths[c].max()) for c in np.array_split(perm, range(bs, n, bs)))
-    sampler = TokenBudgetBatchSampler(lengths, profile.max_tokens, seed=seed, max_len=T)
+    sampler = TokenBudgetBatchSampler(lengths, profile.max_tokens, seed=seed, seq_len=T)
     served = sorted(i for b in sampler for i in b)
     out = {
         "fixed": fixed,
@@ -85,7 +85,7 @@ def strategy_batches(dataset, profile, n_batches: int, seed: int = 0) -> dict[st
     perm = np.random.default_rng(seed).permutation(n)
     chunks = [perm[i : i + bs] for i in range(0, n, bs)][:n_batches]
     out: dict[str, list[dict]] = {
-        "fixed": [pad_collate([dataset[int(i)] for i in c], max_len=T) for c in chunks],
+        "fixed": [pad_collate([dataset[int(i)] for i in c], seq_len=T) for c in chunks],
         "longest": [pad_collate([dataset[int(i)] for i in c]) for c in chunks],
     }
     # pad_collate pads to the longest row; fixed max-length padding pads every row to seq_len:
@@ -95,8 +95,8 @@ def strategy_batches(dataset, profile, n_batches: int, seed: int = 0) -> dict[st
             b["input_ids"] = torch.nn.functional.pad(b["input_ids"], (0, pad), value=0)
             b["labels"] = torch.nn.functional.pad(b["labels"], (0, pad), value=-100)
             b["attention_mask"] = torch.nn.functional.pad(b["attention_mask"], (0, pad), value=0)
-    sampler = TokenBudgetBatchSampler(dataset.lengths, profile.max_tokens, seed=seed, max_len=T)
-    out["token_budget"] = [pad_collate([dataset[i] for i in b], max_len=T) for b in sampler.batches()[:n_batches]]
+    sampler = TokenBudgetBatchSampler(dataset.lengths, profile.max_tokens, seed=seed, seq_len=T)
+    out["token_budget"] = [pad_collate([dataset[i] for i in b], seq_len=T) for b in sampler.batches()[:n_batches]]
     rows_per_batch = max(1, profile.max_tokens // T)
     need = n_batches * rows_per_batch * T  # enough documents to fill n_batches packed micro-batches
     docs, total = [], 0
@@ -343,36 +343,3 @@ def main(argv: list[str] | None = None) -> dict:
     })
     result["targets"]["samples_lost_eq_0"] = result["samples_lost"] == 0
     return result
-
-
-# --------------------------------------------------------------------------------------------- warm-up ordering
-
-
-def warmup_experiment(model: torch.nn.Module, dataset, val_batches: list[dict], profile, device: torch.device,
-                      n_steps: int, warmup_batches: int, seed: int = 0) -> dict:
-    """Train n_steps token-budget micro-batches with and without shorter-first warm-up; validation loss of each.
-
-    Same initial weights, same sampler seed: the only difference is the order of the first `warmup_batches`.
-    """
-    from minimind_lib.train import TrainConfig, accumulate_step, build_optimizer, evaluate, lr_at
-
-    out = {}
-    for name, wb in (("shuffled", 0), ("shorter_first", warmup_batches)):
-        m = copy.deepcopy(model).to(device).train()
-        opt = build_optimizer(m, TrainConfig(lr=profile.lr), device)
-        sampler = TokenBudgetBatchSampler(dataset.lengths, profile.max_tokens, seed=seed, max_len=profile.seq_len,
-                                          warmup_batches=wb)
-        losses, longest = [], []
-        for step, idx in enumerate(sampler.batches()[:n_steps]):
-            for g in opt.param_groups:
-                g["lr"] = lr_at(step, lr=profile.lr, min_lr=profile.lr / 10, warmup_steps=max(1, n_steps // 10),
-                                max_steps=n_steps)
-            batch = pad_collate([dataset[i] for i in idx], max_len=profile.seq_len)
-            losses.append(accumulate_step(m, [batch], device=device)["loss"])
-            longest.append(int(batch["input_ids"].shape[1]))
-            torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        ev = evaluate(m, val_batches, device=device)
-        out[name] = {"train_losses": losses, "longest_row": longest, "val_loss": float(ev["loss"])}
-    return out

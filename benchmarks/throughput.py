@@ -147,7 +147,7 @@ def ours_micro_batches(samples: Sequence[dict], seq_len: int, max_tokens: int, s
 
     if strategy == "budget":
         lengths = [int(s["input_ids"].numel()) for s in samples]
-        sampler = TokenBudgetBatchSampler(lengths, max_tokens, shuffle=False, max_len=seq_len)
+        sampler = TokenBudgetBatchSampler(lengths, max_tokens, shuffle=False, seq_len=seq_len)
         out = []
         for idx in sampler.batches():
             mb = pad_to_longest([samples[i] for i in idx], pad_id=pad_id, pad_to_multiple_of=pad_multiple)

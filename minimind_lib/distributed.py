@@ -256,7 +256,7 @@ class DistributedTokenBudgetSampler:
         self.batches_per_step = int(batches_per_step)
         self.base = TokenBudgetBatchSampler(lengths, max_tokens, max_batch_size=max_batch_size, shuffle=shuffle,
                                             seed=seed, megabatch_mult=megabatch_mult,
-                                            drop_or_truncate=drop_or_truncate, max_len=max_len)
+                                            drop_or_truncate=drop_or_truncate, seq_len=max_len)
         self.seed = int(seed)
         self.epoch = 0
         self._steps_served = 0
@@ -440,7 +440,7 @@ class DDPController:
     def __init__(self, model: nn.Module, ddp_model: nn.Module, info: DistInfo, cfg: Any, *,
                  collate_fn: Callable[[list], dict] | None = None, pad_id: int = 0, timer: CommTimer | None = None,
                  grad_callback: Callable[[int, nn.Module], Any] | None = None) -> None:
-        from .batching import pad_collate
+        from .data import pad_collate
 
         if getattr(cfg, "normalization", "token") != "token":
             raise ValueError(f"TrainConfig.normalization={cfg.normalization!r}: data-parallel training here is "
@@ -830,7 +830,7 @@ def run_job(spec: dict, info: DistInfo | None = None) -> dict:
                        "sampler_stats": {k: v for k, v in sampler.stats.items() if isinstance(v, (int, float))},
                        "snapshots": snapshots})
     if spec.get("measure"):
-        from .batching import pad_collate
+        from .data import pad_collate
 
         m = spec["measure"]
         timer = CommTimer()

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from minimind_lib import distributed as D
-from minimind_lib.batching import pad_collate
+from minimind_lib.data import pad_collate
 from minimind_lib.train import accumulate_step
 
 # 32 variable-length samples, budget 96 padded tokens, 3 micro-batches per step -> an epoch of 4 global steps
