@@ -157,7 +157,7 @@ def ours_micro_batches(samples: Sequence[dict], seq_len: int, max_tokens: int, s
             out.append(mb)
         return out
     if strategy == "pack":
-        packed, _ = pack_sequences(list(samples), seq_len, pad_id=pad_id, strategy="stream")
+        packed, _ = pack_sequences(list(samples), seq_len, pad_id=pad_id)
         rows_per_mb = max(1, max_tokens // seq_len)
         n = packed["input_ids"].shape[0]
         out = []
