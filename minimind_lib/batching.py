@@ -385,18 +385,19 @@ class AdaptiveBatchController:
             raise RuntimeError("AdaptiveBatchController caught an out-of-memory error but has no zero_grad to clear "
                                "the failed attempt's partial gradients: pass zero_grad=model (or a callable)")
         target.zero_grad(set_to_none=True) if hasattr(target, "zero_grad") else target()
-        gc.collect()  # then give the CUDA allocator's cached blocks back
-        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # give the allocator's cached blocks back
         self.oom_count += 1
         peak = None if self.meter is None else int(self.meter.peak())
         if self.meter is not None:
             self.meter.reset_peak()  # the failed attempt's peak must not trigger a shrink as well
         kind, sizes, seq_len = after_oom(self.sizes, micro, halvings, self.max_retries, self.seq_cut, self.seq_len)
-        if kind == "oom_seq_cut" and seq_len < self.min_seq_len:
-            raise RuntimeError(f"out of memory at step {self.step} even with micro_batch_size={sizes[0]}, max_tokens="
-                               f"{sizes[1]}: cutting the rows to {seq_len} tokens would go below min_seq_len="
-                               f"{self.min_seq_len} ({message})")
         if kind == "oom_seq_cut":
+            if seq_len < self.min_seq_len:
+                raise RuntimeError(f"out of memory at step {self.step} even with micro_batch_size={sizes[0]}, "
+                                   f"max_tokens={sizes[1]}: cutting the rows to {seq_len} tokens would go below "
+                                   f"min_seq_len={self.min_seq_len} ({message})")
             self.uncut_len = self.uncut_len or max(row_length(s, self.seq_len) for mb in micro for s in mb)
         (self.micro_batch_size, self.max_tokens), self.seq_len = sizes, seq_len
         self._event(kind, groups, peak, message)

@@ -561,6 +561,20 @@ def test_token_budget_steps_are_the_dataloaders_micro_batches():
     assert all(len(step) == 3 for step in got[:-1])
     steps.set_epoch(1)
     assert sampler.epoch == 1 and [[[s["sid"] for s in mb] for mb in step] for step in steps] != got
+    # resumable: train.DataStream skips steps of the (deterministic) epoch, and set_epoch reaches the sampler
+    from minimind_lib.train import DataStream
+
+    def ids(step):
+        return [[s["sid"] for s in mb] for mb in step]
+
+    fresh = lambda: TokenBudgetSteps(ds, TokenBudgetBatchSampler([len(s["input_ids"]) for s in ds], 64, seq_len=32,
+                                                                 seed=3), accum_steps=3)
+    stream = DataStream(fresh())
+    seen = [ids(stream.next()) for _ in range(len(got) + 2)]  # into epoch 1
+    assert seen[:len(got)] == got and seen[len(got)] == [[i for i in b] for b in sampler.batches(1)[:3]]
+    resumed = DataStream(fresh())
+    resumed.load_state_dict({"epoch": 1, "offset": 1})
+    assert ids(resumed.next()) == seen[-1]
     with pytest.raises(ValueError, match="accum_steps >= 1"):
         TokenBudgetSteps(ds, sampler, 0)
     with pytest.raises(ValueError, match="this dataset's lengths"):
