@@ -53,14 +53,13 @@ def fill_batches(order: Sequence[int], lengths: Sequence[int], max_tokens: int |
 class TokenBudgetBatchSampler(Sampler[list[int]]):
     """Batches of indices whose padded size (rows x longest row) stays within ``max_tokens``, every kept sample once.
 
-    A sample longer than ``longest_row = min(max_tokens, seq_len)`` is truncated (the collate cuts it:
-    ``data.pad_collate(samples, seq_len=sampler.longest_row)``) or, with ``drop_or_truncate="reject"``, left out; both
-    are counted in ``stats``. Use as ``DataLoader(ds, batch_sampler=sampler)``: train.DataStream calls ``set_epoch``
-    each epoch and resumes mid-epoch by skipping batches (the order is fixed by seed and epoch)."""
+    A sample longer than ``longest_row = min(max_tokens, seq_len)`` counts as that long (the collate cuts it:
+    ``data.pad_collate(samples, seq_len=sampler.longest_row)``); such samples are listed in ``truncated_indices`` and
+    counted in ``stats``. Use as ``DataLoader(ds, batch_sampler=sampler)``: train.DataStream calls ``set_epoch`` each
+    epoch and resumes mid-epoch by skipping batches (the order is fixed by seed and epoch)."""
 
     def __init__(self, lengths: Sequence[int] | np.ndarray, max_tokens: int, max_batch_size: int | None = None,
-                 shuffle: bool = True, seed: int = 0, megabatch_mult: int = 50, drop_or_truncate: str = "truncate",
-                 seq_len: int | None = None) -> None:
+                 shuffle: bool = True, seed: int = 0, megabatch_mult: int = 50, seq_len: int | None = None) -> None:
         lengths = np.asarray(lengths)
         if lengths.ndim != 1 or (lengths.size and not np.issubdtype(lengths.dtype, np.integer)):
             raise ValueError(f"lengths must be a 1-D sequence of integers, got shape {lengths.shape}, {lengths.dtype}")
@@ -70,18 +69,13 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
                             ("max_batch_size", max_batch_size), ("seq_len", seq_len)):
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
-        if drop_or_truncate not in ("truncate", "reject"):
-            raise ValueError(f"drop_or_truncate must be 'truncate' or 'reject', got {drop_or_truncate!r}")
         self.max_tokens, self.max_batch_size, self.seq_len = int(max_tokens), max_batch_size, seq_len
         self.shuffle, self.seed, self.megabatch_mult = shuffle, int(seed), int(megabatch_mult)
         self.longest_row = self.max_tokens if seq_len is None else min(self.max_tokens, seq_len)  # one row must fit
         self.raw_lengths = lengths.astype(np.int64)
-        over = np.flatnonzero(self.raw_lengths > self.longest_row).tolist()
-        self.rejected_indices, self.truncated_indices = (over, []) if drop_or_truncate == "reject" else ([], over)
-        self.kept_indices = np.setdiff1d(np.arange(len(lengths)), self.rejected_indices)
+        self.truncated_indices = np.flatnonzero(self.raw_lengths > self.longest_row).tolist()
         self.lengths = np.minimum(self.raw_lengths, self.longest_row)  # as batched: the collate cuts longer ones
-        kept = self.lengths[self.kept_indices]
-        rows = max(1, self.max_tokens // max(1, int(np.median(kept)) if kept.size else 1))
+        rows = max(1, self.max_tokens // max(1, int(np.median(self.lengths)) if lengths.size else 1))
         self.megabatch_size = self.megabatch_mult * min(rows, max_batch_size or rows)  # samples of ~mult batches
         self.epoch = 0
         self._cache: tuple[int, list[list[int]]] | None = None
@@ -91,7 +85,7 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         epoch = self.epoch if epoch is None else int(epoch)
         if self._cache is None or self._cache[0] != epoch:
             rng = np.random.default_rng([self.seed, epoch])
-            order = rng.permutation(self.kept_indices) if self.shuffle else self.kept_indices
+            order = rng.permutation(len(self.lengths)) if self.shuffle else np.arange(len(self.lengths))
             size = self.megabatch_size if self.shuffle else max(1, len(order))  # unshuffled: one sorted megabatch
             out = [b for mega in sort_megabatches(order, self.lengths, size)
                    for b in fill_batches(mega, self.lengths, self.max_tokens, self.max_batch_size)]
@@ -110,15 +104,12 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
 
     @property
     def stats(self) -> dict:
-        """Counts for the current epoch: samples kept/truncated/rejected, batches, padding."""
-        real = int(self.lengths[self.kept_indices].sum())
-        padded = int(sum(len(b) * int(self.lengths[b].max()) for b in self.batches()))
-        return {"n_samples": len(self.raw_lengths), "n_used": len(self.kept_indices),
-                "n_truncated": len(self.truncated_indices),
-                "tokens_truncated": int((self.raw_lengths - self.lengths)[self.truncated_indices].sum()),
-                "n_rejected": len(self.rejected_indices), "n_batches": len(self), "max_tokens": self.max_tokens,
-                "longest_row": self.longest_row, "real_tokens": real, "padded_tokens": padded,
-                "padding_fraction": 1.0 - real / padded if padded else 0.0}
+        """Counts for the current epoch: samples, truncated samples and tokens, batches, padding."""
+        real, padded = int(self.lengths.sum()), int(sum(len(b) * int(self.lengths[b].max()) for b in self.batches()))
+        return {"n_samples": len(self.lengths), "n_truncated": len(self.truncated_indices),
+                "tokens_truncated": int((self.raw_lengths - self.lengths).sum()), "n_batches": len(self),
+                "max_tokens": self.max_tokens, "longest_row": self.longest_row, "real_tokens": real,
+                "padded_tokens": padded, "padding_fraction": 1.0 - real / padded if padded else 0.0}
 
 
 @dataclass
@@ -139,16 +130,6 @@ class PackStats:
     def to_dict(self) -> dict:
         """Counts as a plain dict, with the padding fraction."""
         return {**self.__dict__, "padding_fraction": self.padding_fraction}
-
-
-def _doc_tokens(sample: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """(input_ids, labels) of a sample: a dict with input_ids and optionally labels (default: input_ids)."""
-    ids = torch.as_tensor(sample["input_ids"], dtype=torch.long)
-    labels = torch.as_tensor(sample.get("labels", ids), dtype=torch.long)
-    if ids.dim() != 1 or labels.shape != ids.shape:
-        raise ValueError(f"a packed sample needs 1-D input_ids and labels of one shape, got {tuple(ids.shape)} / "
-                         f"{tuple(labels.shape)}")
-    return ids, labels
 
 
 def stream_segments(docs: Sequence[tuple], seq_len: int, stats: PackStats) -> list[list[tuple]]:
@@ -190,8 +171,13 @@ def pack_sequences(samples: Sequence[Any], seq_len: int, *, pad_id: int = 0) -> 
     """Documents in rows of exactly `seq_len`: input_ids, labels, position_ids, doc_ids, each (B, seq_len)."""
     if int(seq_len) < 2:
         raise ValueError(f"seq_len must be >= 2, got {seq_len}")
+    docs = [(torch.as_tensor(s["input_ids"]), torch.as_tensor(s.get("labels", s["input_ids"]))) for s in samples]
+    for i, (ids, labels) in enumerate(docs):
+        if ids.dim() != 1 or labels.shape != ids.shape:
+            raise ValueError(f"sample {i}: packing needs 1-D input_ids and labels of one shape, got "
+                             f"{tuple(ids.shape)} / {tuple(labels.shape)}")
     stats = PackStats(n_docs=len(samples))
-    segments = stream_segments([_doc_tokens(s) for s in samples], int(seq_len), stats)
+    segments = stream_segments(docs, int(seq_len), stats)
     return rows_from_segments(segments, int(seq_len), pad_id, stats), stats
 
 

@@ -241,7 +241,7 @@ class DistributedTokenBudgetSampler:
 
     def __init__(self, lengths: Sequence[int] | np.ndarray, max_tokens: int, batches_per_step: int, *,
                  num_replicas: int | None = None, rank: int | None = None, max_batch_size: int | None = None,
-                 shuffle: bool = True, seed: int = 0, megabatch_mult: int = 50, drop_or_truncate: str = "truncate",
+                 shuffle: bool = True, seed: int = 0, megabatch_mult: int = 50,
                  max_len: int | None = None) -> None:
         from .batching import TokenBudgetBatchSampler
 
@@ -256,7 +256,7 @@ class DistributedTokenBudgetSampler:
         self.batches_per_step = int(batches_per_step)
         self.base = TokenBudgetBatchSampler(lengths, max_tokens, max_batch_size=max_batch_size, shuffle=shuffle,
                                             seed=seed, megabatch_mult=megabatch_mult,
-                                            drop_or_truncate=drop_or_truncate, seq_len=max_len)
+                                            seq_len=max_len)
         self.seed = int(seed)
         self.epoch = 0
         self._steps_served = 0

@@ -51,27 +51,22 @@ def test_each_sample_exactly_once_and_budget_kept():
     lengths=st.lists(st.integers(1, 400), min_size=1, max_size=200),
     max_tokens=st.integers(1, 1500),
     max_bs=st.one_of(st.none(), st.integers(1, 20)),
-    mode=st.sampled_from(["truncate", "reject"]),
     seq_len=st.one_of(st.none(), st.integers(1, 400)),
     seed=st.integers(0, 5),
     mult=st.integers(1, 8),
 )
-def test_property_budget_and_coverage(lengths, max_tokens, max_bs, mode, seq_len, seed, mult):
+def test_property_budget_and_coverage(lengths, max_tokens, max_bs, seq_len, seed, mult):
     s = TokenBudgetBatchSampler(
         lengths, max_tokens, max_batch_size=max_bs, seed=seed, megabatch_mult=mult,
-        drop_or_truncate=mode, seq_len=seq_len,
+        seq_len=seq_len,
     )
     cap = max_tokens if seq_len is None else min(max_tokens, seq_len)
     assert s.longest_row == cap
     batches = list(s)
     flat = sorted(i for b in batches for i in b)
     over = [i for i, n in enumerate(lengths) if n > cap]
-    if mode == "reject":
-        assert flat == sorted(set(range(len(lengths))) - set(over))
-        assert s.stats["n_rejected"] == len(over) == len(s.rejected_indices)
-    else:
-        assert flat == list(range(len(lengths)))
-        assert s.stats["n_truncated"] == len(over) == len(s.truncated_indices)
+    assert flat == list(range(len(lengths)))
+    assert s.stats["n_truncated"] == len(over) == len(s.truncated_indices)
     for b in batches:
         assert b, "no empty batch"
         eff = [min(lengths[i], cap) for i in b]
@@ -131,15 +126,15 @@ def test_resume_mid_epoch_gives_remaining_batches():
     assert seen + rest == [list(b) for b in s.batches(1)] != first_epoch
 
 
-def test_over_long_truncate_and_reject_counted():
+def test_over_long_samples_truncated_and_counted():
     lengths = [10, 50, 200, 30]
-    s = TokenBudgetBatchSampler(lengths, max_tokens=100, drop_or_truncate="truncate")
+    s = TokenBudgetBatchSampler(lengths, max_tokens=100)
     assert s.truncated_indices == [2]
     assert s.stats["n_truncated"] == 1 and s.stats["tokens_truncated"] == 100
     assert sorted(i for b in s for i in b) == [0, 1, 2, 3]
-    r = TokenBudgetBatchSampler(lengths, max_tokens=100, seq_len=40, drop_or_truncate="reject")
-    assert r.rejected_indices == [1, 2] and r.stats["n_rejected"] == 2
-    assert sorted(i for b in r for i in b) == [0, 3]
+    r = TokenBudgetBatchSampler(lengths, max_tokens=100, seq_len=40)
+    assert r.truncated_indices == [1, 2] and r.stats["tokens_truncated"] == 10 + 160 and r.longest_row == 40
+    assert all(len(b) * max(min(lengths[i], 40) for i in b) <= 100 for b in r)
 
 
 def test_megabatches_sorted_and_fill_greedy():
@@ -159,7 +154,6 @@ def test_megabatches_sorted_and_fill_greedy():
         (dict(lengths=[1.5, 2.0], max_tokens=10), "integers"),
         (dict(lengths=[3], max_tokens=0), "max_tokens must be >= 1"),
         (dict(lengths=[3], max_tokens=10, max_batch_size=0), "max_batch_size"),
-        (dict(lengths=[3], max_tokens=10, drop_or_truncate="drop"), "'truncate' or 'reject'"),
         (dict(lengths=[3], max_tokens=10, seq_len=0), "seq_len must be >= 1"),
         (dict(lengths=[3], max_tokens=10, megabatch_mult=0), "megabatch_mult"),
     ],
