@@ -65,7 +65,7 @@ def epoch_padding(lengths: np.ndarray, profile, seed: int = 0, samples: Sequence
     n, bs, T = len(lengths), profile.batch_size, profile.seq_len
     perm = np.random.default_rng(seed).permutation(n)
     batches = [lengths[c].tolist() for c in np.array_split(perm, range(bs, n, bs))]
-    sampler = TokenBudgetBatchSampler(lengths, profile.max_tokens, seed=seed, max_len=T)
+    sampler = TokenBudgetBatchSampler(lengths, profile.max_tokens, seed=seed, seq_len=T)
     served = sorted(i for b in sampler for i in b)
     out = {
         "fixed": padding_fraction(batches, seq_len=T),
@@ -90,7 +90,7 @@ def strategy_batches(dataset, profile, n_batches: int, seed: int = 0) -> dict[st
         "fixed": [pad_collate([dataset[int(i)] for i in c], seq_len=T, fixed=True) for c in chunks],
         "longest": [pad_collate([dataset[int(i)] for i in c], seq_len=T) for c in chunks],
     }
-    sampler = TokenBudgetBatchSampler(dataset.lengths, profile.max_tokens, seed=seed, max_len=T)
+    sampler = TokenBudgetBatchSampler(dataset.lengths, profile.max_tokens, seed=seed, seq_len=T)
     out["token_budget"] = [pad_collate([dataset[i] for i in b], seq_len=T) for b in sampler.batches()[:n_batches]]
     rows_per_batch = max(1, profile.max_tokens // T)
     need = n_batches * rows_per_batch * T  # enough documents to fill n_batches packed micro-batches
@@ -323,29 +323,3 @@ def main(argv: list[str] | None = None) -> dict:
 # --------------------------------------------------------------------------------------------- warm-up ordering
 
 
-def warmup_experiment(model: torch.nn.Module, dataset, val_batches: list[dict], profile, device: torch.device,
-                      n_steps: int, warmup_batches: int, seed: int = 0) -> dict:
-    """Train n_steps token-budget micro-batches with and without shorter-first warm-up; validation loss of each.
-
-    Same initial weights, same sampler seed: the only difference is the order of the first `warmup_batches`.
-    """
-    out = {}
-    for name, wb in (("shuffled", 0), ("shorter_first", warmup_batches)):
-        m = copy.deepcopy(model).to(device).train()
-        opt = build_optimizer(m, TrainConfig(lr=profile.lr), device)
-        sampler = TokenBudgetBatchSampler(dataset.lengths, profile.max_tokens, seed=seed, max_len=profile.seq_len,
-                                          warmup_batches=wb)
-        losses, longest = [], []
-        for step, idx in enumerate(sampler.batches()[:n_steps]):
-            for g in opt.param_groups:
-                g["lr"] = lr_at(step, lr=profile.lr, min_lr=profile.lr / 10, warmup_steps=max(1, n_steps // 10),
-                                max_steps=n_steps)
-            batch = pad_collate([dataset[i] for i in idx], seq_len=profile.seq_len)
-            losses.append(accumulate_step(m, [batch], device=device)["loss"])
-            longest.append(int(batch["input_ids"].shape[1]))
-            torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        ev = evaluate(m, val_batches, device=device)
-        out[name] = {"train_losses": losses, "longest_row": longest, "val_loss": float(ev["loss"])}
-    return out

@@ -166,7 +166,7 @@ def ours_micro_batches(samples: Sequence[dict], seq_len: int, max_tokens: int, s
     """Our micro-batches of one optimizer step's samples: token-budget groups or packed rows."""
     if strategy == "budget":
         lengths = [int(s["input_ids"].numel()) for s in samples]
-        sampler = TokenBudgetBatchSampler(lengths, max_tokens, shuffle=False, max_len=seq_len)
+        sampler = TokenBudgetBatchSampler(lengths, max_tokens, shuffle=False, seq_len=seq_len)
         out = []
         for idx in sampler.batches():
             mb = _pad_to_multiple(pad_collate([samples[i] for i in idx], pad_id, seq_len), pad_multiple, pad_id)
@@ -176,7 +176,7 @@ def ours_micro_batches(samples: Sequence[dict], seq_len: int, max_tokens: int, s
             out.append(mb)
         return out
     if strategy == "pack":
-        packed, _ = pack_sequences(list(samples), seq_len, pad_id=pad_id, strategy="stream")
+        packed, _ = pack_sequences(list(samples), seq_len, pad_id=pad_id)
         rows_per_mb = max(1, max_tokens // seq_len)
         n = packed["input_ids"].shape[0]
         out = []

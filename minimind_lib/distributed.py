@@ -117,7 +117,7 @@ class DistributedTokenBudgetSampler:
             raise ValueError(f"rank={rank} is outside 0..{int(num_replicas) - 1} (num_replicas={num_replicas})")
         self.accum_steps, self.num_replicas, self.rank = int(accum_steps), int(num_replicas), int(rank)
         # the steps do not depend on the number of ranks: one token-budget sampler, the same seed on every rank
-        self.base = TokenBudgetBatchSampler(lengths, max_tokens, seed=seed, max_len=seq_len, **sampler_kwargs)
+        self.base = TokenBudgetBatchSampler(lengths, max_tokens, seed=seed, seq_len=seq_len, **sampler_kwargs)
         self.epoch, self.dataset = 0, dataset
 
     def global_steps(self, epoch: int | None = None) -> list[list[list[int]]]:

@@ -183,7 +183,7 @@ def _loader(ds, max_tokens: int, seq_len: int, pad_id: int, seed: int, shuffle: 
     if max_tokens < seq_len:
         raise RunError(f"max_tokens={max_tokens} is smaller than seq_len={seq_len}: a full-length sample would not "
                        f"fit one micro-batch; raise --max-tokens or lower the sequence length")
-    sampler = TokenBudgetBatchSampler(ds.lengths, max_tokens, shuffle=shuffle, seed=seed, max_len=seq_len)
+    sampler = TokenBudgetBatchSampler(ds.lengths, max_tokens, shuffle=shuffle, seed=seed, seq_len=seq_len)
     return DataLoader(ds, batch_sampler=sampler, collate_fn=functools.partial(pad_collate, pad_id=pad_id),
                       pin_memory=pin_memory), sampler
 

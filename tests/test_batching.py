@@ -10,20 +10,20 @@ from hypothesis import strategies as st
 
 from minimind_lib.batching import (
     AdaptiveBatchController,
-    StepSamples,
-    is_oom_error,
     PackedDataset,
+    StepSamples,
     TokenBudgetBatchSampler,
+    TokenBudgetSteps,
     block_causal_mask,
     collate_packed,
-    flex_attention_available,
-    flex_block_mask,
+    fill_batches,
+    is_oom_error,
     pack_sequences,
-    packed_attention,
-    pad_collate,
-    padding_fraction,
-    truncate_sample,
+    sort_megabatches,
+    split_step,
+    step_groups,
 )
+from minimind_lib.data import pad_collate, padding_fraction
 
 # --------------------------------------------------------------------------------------------
 # TokenBudgetBatchSampler
@@ -51,26 +51,22 @@ def test_each_sample_exactly_once_and_budget_kept():
     lengths=st.lists(st.integers(1, 400), min_size=1, max_size=200),
     max_tokens=st.integers(1, 1500),
     max_bs=st.one_of(st.none(), st.integers(1, 20)),
-    mode=st.sampled_from(["truncate", "reject"]),
-    max_len=st.one_of(st.none(), st.integers(1, 400)),
+    seq_len=st.one_of(st.none(), st.integers(1, 400)),
     seed=st.integers(0, 5),
     mult=st.integers(1, 8),
 )
-def test_property_budget_and_coverage(lengths, max_tokens, max_bs, mode, max_len, seed, mult):
+def test_property_budget_and_coverage(lengths, max_tokens, max_bs, seq_len, seed, mult):
     s = TokenBudgetBatchSampler(
         lengths, max_tokens, max_batch_size=max_bs, seed=seed, megabatch_mult=mult,
-        drop_or_truncate=mode, max_len=max_len,
+        seq_len=seq_len,
     )
-    cap = max_tokens if max_len is None else min(max_tokens, max_len)
+    cap = max_tokens if seq_len is None else min(max_tokens, seq_len)
+    assert s.longest_row == cap
     batches = list(s)
     flat = sorted(i for b in batches for i in b)
     over = [i for i, n in enumerate(lengths) if n > cap]
-    if mode == "reject":
-        assert flat == sorted(set(range(len(lengths))) - set(over))
-        assert s.stats["n_rejected"] == len(over) == len(s.rejected_indices)
-    else:
-        assert flat == list(range(len(lengths)))
-        assert s.stats["n_truncated"] == len(over) == len(s.truncated_indices)
+    assert flat == list(range(len(lengths)))
+    assert s.stats["n_truncated"] == len(over) == len(s.truncated_indices)
     for b in batches:
         assert b, "no empty batch"
         eff = [min(lengths[i], cap) for i in b]
@@ -111,55 +107,43 @@ def test_no_shuffle_is_sorted_descending():
 
 
 def test_resume_mid_epoch_gives_remaining_batches():
+    """train.DataStream resumes a DataLoader over the sampler mid-epoch by skipping: the epoch order is deterministic."""
+    from minimind_lib.train import DataStream
+
     lengths = _lengths()
     s = TokenBudgetBatchSampler(lengths, 1024, seed=7)
-    s.set_epoch(2)
-    full = list(s)
-    it = iter(s)
-    seen = [next(it) for _ in range(5)]
-    state = s.state_dict()
-    assert state == {"epoch": 2, "batches_served": 5, "seed": 7}
+    loader = torch.utils.data.DataLoader(range(len(lengths)), batch_sampler=s, collate_fn=list)
+    stream = DataStream(loader)
+    first_epoch = [stream.next() for _ in range(len(s))]
+    assert sorted(i for b in first_epoch for i in b) == list(range(len(lengths)))
+    seen = [stream.next() for _ in range(5)]  # 5 batches into epoch 1
+    state = stream.state_dict()
+    assert state == {"epoch": 1, "offset": 5}
     fresh = TokenBudgetBatchSampler(lengths, 1024, seed=7)
-    fresh.load_state_dict(state)
-    rest = list(fresh)
-    assert seen + rest == full
-    # After the resumed pass, a new pass of the same epoch serves it whole again.
-    assert list(fresh) == full
+    resumed = DataStream(torch.utils.data.DataLoader(range(len(lengths)), batch_sampler=fresh, collate_fn=list))
+    resumed.load_state_dict(state)
+    rest = [resumed.next() for _ in range(len(s) - 5)]
+    assert seen + rest == [list(b) for b in s.batches(1)] != first_epoch
 
 
-def test_resume_bad_state_messages():
-    s = TokenBudgetBatchSampler(_lengths(50), 1024, seed=0)
-    with pytest.raises(ValueError, match="no key 'batches_served'"):
-        s.load_state_dict({"epoch": 0})
-    with pytest.raises(ValueError, match="seed=1"):
-        s.load_state_dict({"epoch": 0, "batches_served": 0, "seed": 1})
-    with pytest.raises(ValueError, match="outside 0"):
-        s.load_state_dict({"epoch": 0, "batches_served": 10_000, "seed": 0})
-
-
-def test_over_long_truncate_and_reject_counted():
+def test_over_long_samples_truncated_and_counted():
     lengths = [10, 50, 200, 30]
-    s = TokenBudgetBatchSampler(lengths, max_tokens=100, drop_or_truncate="truncate")
+    s = TokenBudgetBatchSampler(lengths, max_tokens=100)
     assert s.truncated_indices == [2]
     assert s.stats["n_truncated"] == 1 and s.stats["tokens_truncated"] == 100
     assert sorted(i for b in s for i in b) == [0, 1, 2, 3]
-    r = TokenBudgetBatchSampler(lengths, max_tokens=100, max_len=40, drop_or_truncate="reject")
-    assert r.rejected_indices == [1, 2] and r.stats["n_rejected"] == 2
-    assert sorted(i for b in r for i in b) == [0, 3]
+    r = TokenBudgetBatchSampler(lengths, max_tokens=100, seq_len=40)
+    assert r.truncated_indices == [1, 2] and r.stats["tokens_truncated"] == 10 + 160 and r.longest_row == 40
+    assert all(len(b) * max(min(lengths[i], 40) for i in b) <= 100 for b in r)
 
 
-def test_warmup_batches_shortest_first_in_epoch0_only():
-    lengths = _lengths(400)
-    s = TokenBudgetBatchSampler(lengths, 1024, seed=0, warmup_batches=4)
-    batches = list(s)
-    longest = [max(lengths[b]) for b in batches]
-    assert longest[:4] == sorted(longest)[:4]
-    assert sorted(i for b in batches for i in b) == list(range(400))
-    plain = TokenBudgetBatchSampler(lengths, 1024, seed=0)
-    assert sorted(map(tuple, plain)) == sorted(map(tuple, batches))  # same batches, reordered
-    s.set_epoch(1)
-    plain.set_epoch(1)
-    assert list(s) == list(plain)
+def test_megabatches_sorted_and_fill_greedy():
+    lengths = np.array([5, 1, 9, 3, 7, 2])
+    megas = sort_megabatches(np.array([0, 1, 2, 3, 4, 5]), lengths, size=4)
+    assert [m.tolist() for m in megas] == [[2, 0, 3, 1], [4, 5]]
+    assert fill_batches([2, 0, 3, 1], lengths, max_tokens=10) == [[2], [0, 3], [1]]  # 2 x 5 fits, 3 x 5 not
+    assert fill_batches([1, 3, 0], lengths, max_tokens=None, max_batch_size=2) == [[1, 3], [0]]
+    assert fill_batches([1, 2], lengths, max_tokens=4) == [[1], [2]]  # 9 > 4: alone, never dropped
 
 
 @pytest.mark.parametrize(
@@ -170,10 +154,8 @@ def test_warmup_batches_shortest_first_in_epoch0_only():
         (dict(lengths=[1.5, 2.0], max_tokens=10), "integers"),
         (dict(lengths=[3], max_tokens=0), "max_tokens must be >= 1"),
         (dict(lengths=[3], max_tokens=10, max_batch_size=0), "max_batch_size"),
-        (dict(lengths=[3], max_tokens=10, drop_or_truncate="drop"), "'truncate' or 'reject'"),
-        (dict(lengths=[3], max_tokens=10, max_len=0), "max_len"),
+        (dict(lengths=[3], max_tokens=10, seq_len=0), "seq_len must be >= 1"),
         (dict(lengths=[3], max_tokens=10, megabatch_mult=0), "megabatch_mult"),
-        (dict(lengths=[3], max_tokens=10, warmup_batches=-1), "warmup_batches"),
     ],
 )
 def test_sampler_bad_inputs(kwargs, match):
@@ -183,18 +165,16 @@ def test_sampler_bad_inputs(kwargs, match):
 
 def test_works_with_dataloader_and_pad_collate():
     samples = [{"input_ids": torch.arange(n) + 3, "labels": torch.arange(n) + 3} for n in (4, 9, 2, 7, 12)]
-    s = TokenBudgetBatchSampler([len(x["input_ids"]) for x in samples], max_tokens=16, max_len=8, seed=0)
-    dl = torch.utils.data.DataLoader(samples, batch_sampler=s, collate_fn=lambda b: pad_collate(b, max_len=s.cap))
-    seen = 0
+    s = TokenBudgetBatchSampler([len(x["input_ids"]) for x in samples], max_tokens=16, seq_len=8, seed=0)
+    assert s.longest_row == 8 and s.truncated_indices == [1, 4]
+    dl = torch.utils.data.DataLoader(samples, batch_sampler=s, collate_fn=lambda b: pad_collate(b, seq_len=s.longest_row))
+    seen = []
     for batch in dl:
         B, T = batch["input_ids"].shape
         assert B * T <= 16
         assert (batch["labels"][batch["attention_mask"] == 0] == -100).all()
-        seen += B
-    assert seen == 5
-    assert truncate_sample(samples[4], 8)["input_ids"].tolist() == list(range(3, 11))
-    with pytest.raises(ValueError, match="empty list"):
-        pad_collate([])
+        seen += [row[:n].tolist() for row, n in zip(batch["input_ids"], batch["attention_mask"].sum(1))]
+    assert sorted(seen) == sorted([list(range(3, 3 + min(n, 8))) for n in (4, 9, 2, 7, 12)])  # long ones cut to 8
 
 
 # --------------------------------------------------------------------------------------------
@@ -227,32 +207,15 @@ def test_pack_keeps_sft_label_mask():
     assert rows["labels"][0].tolist() == [-100, -100, 12, 13, -100, 21, 22, -100]
 
 
-def test_pack_first_fit_whole_docs_and_truncation_counted():
-    docs = [_doc(0, 6), _doc(10, 2), _doc(20, 3), _doc(30, 9)]
-    rows, stats = pack_sequences(docs, 6, strategy="first_fit")
-    assert stats.n_truncated == 1 and stats.tokens_truncated == 3 and stats.n_split == 0
-    # every document (cut to 6) appears whole inside one row
-    for r in range(stats.n_rows):
-        for d in set(rows["doc_ids"][r].tolist()) - {-1}:
-            pos = rows["position_ids"][r][rows["doc_ids"][r] == d]
-            assert pos.tolist() == list(range(len(pos)))
-    assert stats.n_tokens == 6 + 2 + 3 + 6
-    assert stats.n_rows == 3
-
-
 def test_pack_bad_inputs():
     with pytest.raises(ValueError, match="seq_len must be >= 2"):
         pack_sequences([_doc(0, 3)], 1)
-    with pytest.raises(ValueError, match="'stream' or 'first_fit'"):
-        pack_sequences([_doc(0, 3)], 4, strategy="best")
     with pytest.raises(ValueError, match="1-D input_ids"):
         pack_sequences([{"input_ids": torch.zeros(2, 2, dtype=torch.long)}], 4)
     with pytest.raises(ValueError, match="doc_ids must be"):
         block_causal_mask(torch.zeros(4, dtype=torch.long))
     with pytest.raises(ValueError, match="empty list"):
         collate_packed([])
-    with pytest.raises(ValueError, match="backend must be"):
-        packed_attention(*(torch.zeros(1, 1, 2, 2) for _ in range(3)), torch.zeros(1, 2, dtype=torch.long), backend="x")
 
 
 def test_block_causal_mask_values():
@@ -284,22 +247,12 @@ def test_sdpa_block_mask_equals_separate_documents():
     torch.manual_seed(0)
     doc = torch.tensor([[0] * 5 + [1] * 7 + [2] * 4])
     q, k, v = (torch.randn(1, 2, 16, 8) for _ in range(3))
-    out = packed_attention(q, k, v, doc)
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=block_causal_mask(doc))
     for lo, hi in [(0, 5), (5, 12), (12, 16)]:
         ref = torch.nn.functional.scaled_dot_product_attention(
             q[:, :, lo:hi], k[:, :, lo:hi], v[:, :, lo:hi], is_causal=True
         )
         torch.testing.assert_close(out[:, :, lo:hi], ref)
-
-
-@pytest.mark.skipif(not flex_attention_available(), reason="no flex_attention in this torch")
-def test_flex_attention_matches_sdpa():
-    torch.manual_seed(0)
-    doc = torch.tensor([[0] * 50 + [1] * 40 + [2] * 38, [0] * 128])
-    q, k, v = (torch.randn(2, 2, 128, 16) for _ in range(3))
-    bm = flex_block_mask(doc)
-    flex = packed_attention(q, k, v, doc, backend="flex", block_mask=bm)
-    torch.testing.assert_close(flex, packed_attention(q, k, v, doc), atol=1e-5, rtol=1e-4)
 
 
 def test_model_no_cross_document_attention():
@@ -371,9 +324,8 @@ def test_oom_halves_and_retries_same_samples():
     kinds = [e.kind for e in ctl.events]
     assert kinds == ["oom_halve"] * 3
     assert fake.zeroed == 3 and ctl.stats["oom_events_recovered"] == 3 and ctl.stats["samples_lost"] == 0
-    ev = ctl.events[0]
-    assert (ev.step, ev.old_micro_batch, ev.new_micro_batch, ev.accum) == (0, 16, 8, 2)
-    assert "out of memory" in ev.message
+    assert [(e.step, e.micro_batch_size, e.accum_steps) for e in ctl.events] == [(0, 8, 2), (0, 4, 4), (0, 2, 8)]
+    assert "out of memory" in ctl.events[0].message and ctl.events[0].max_tokens is None
 
 
 def test_oom_after_max_retries_cuts_seq_len_and_counts():
@@ -429,7 +381,7 @@ class FakeMeter:
         self.value = 0
         self.resets = 0
 
-    def peak_bytes(self):
+    def peak(self):
         return self.value
 
     def reset_peak(self):
@@ -456,15 +408,15 @@ def test_high_water_shrinks_low_water_grows_back_effective_batch_unchanged():
     ctl.run_step(_samples(20), fake)
     assert ctl.micro_batch_size == 10
     assert meter.resets == 0  # the controller never resets the loop's meter outside an OOM
-    df = ctl.events_frame()
-    assert list(df["kind"]) == ["shrink", "grow"] and {"step", "peak_bytes", "accum", "seq_len"} <= set(df.columns)
+    assert [(e.kind, e.step, e.peak_bytes, e.budget_bytes) for e in ctl.events] == [("shrink", 2, 900, 1000),
+                                                                                    ("grow", 4, 300, 1000)]
 
 
 def test_controller_state_roundtrip():
     fake = FakeTrainer(limit=30)
     ctl = AdaptiveBatchController(16, seq_len=64, zero_grad=fake.zero_grad)
     out = ctl.run_step(_samples(16), fake)
-    assert [str(e) for e in out["events"]][0] == "oom_halve(micro 16->8, accum 2, seq_len 64)"
+    assert [str(e) for e in out["events"]][0] == "oom_halve(micro 8, accum 2, seq_len 64)"
     state = ctl.state_dict()
     other = AdaptiveBatchController(16)
     other.load_state_dict(state)
@@ -477,13 +429,14 @@ def test_controller_state_roundtrip():
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(micro_batch_size=0), "micro_batch_size must be >= 1"),
+        (dict(), "micro_batch_size and/or max_tokens"),
+        (dict(micro_batch_size=0), "needs micro_batch_size >= 1; got micro_batch_size=0"),
+        (dict(max_tokens=0), "needs max_tokens >= 1; got micro_batch_size=None, max_tokens=0"),
         (dict(micro_batch_size=2, check_every=0), "check_every"),
         (dict(micro_batch_size=2, high_water=0.5, low_water=0.6), "low_water < high_water"),
         (dict(micro_batch_size=2, shrink=1.0), "shrink"),
         (dict(micro_batch_size=2, seq_cut=0), "seq_cut"),
         (dict(micro_batch_size=2, max_retries=-1), "max_retries"),
-        (dict(micro_batch_size=2, budget_bytes=0), "budget_bytes"),
     ],
 )
 def test_controller_bad_inputs(kwargs, match):
@@ -506,9 +459,9 @@ def test_step_samples_source():
     assert [[int(s["input_ids"][0]) for s in x] for x in steps] == [[int(s["input_ids"][0]) for s in x] for x in src]
     src.set_epoch(1)
     assert [[int(s["input_ids"][0]) for s in x] for x in src] != [[int(s["input_ids"][0]) for s in x] for x in steps]
-    with pytest.raises(ValueError, match="step_size"):
+    with pytest.raises(ValueError, match="samples_per_step >= 1"):
         StepSamples(ds, 0)
-    with pytest.raises(ValueError, match="empty dataset"):
+    with pytest.raises(ValueError, match="non-empty dataset"):
         StepSamples([], 2)
 
 
@@ -568,3 +521,141 @@ def test_controller_with_real_fit_recovers_from_tiny_memory_budget():
     assert (df["peak_memory_bytes"] <= budget).all()
     # exact token-weighted accumulation: the loss does not depend on the micro-batch split
     np.testing.assert_allclose(df["loss"].iloc[:2], free8["loss"], rtol=1e-5)
+
+
+# --------------------------------------------------------------------------------------------
+# Token-budget steps: the pipeline's micro-batches through the controller
+# --------------------------------------------------------------------------------------------
+
+
+def _varied(n: int, seed: int = 0, lo: int = 3, hi: int = 40) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        ids = torch.randint(3, 200, (int(torch.randint(lo, hi, (1,), generator=g)),), generator=g)
+        out.append({"input_ids": ids, "labels": ids.clone(), "sid": i})
+    return out
+
+
+def test_step_groups_flat_and_nested():
+    a, b, c = _samples(3)
+    assert step_groups([a, b, c]) == [[a, b, c]]
+    assert step_groups([[a, b], [], [c]]) == [[a, b], [c]]
+    with pytest.raises(ValueError, match="no samples"):
+        step_groups([[], []])
+
+
+def test_token_budget_steps_are_the_dataloaders_micro_batches():
+    ds = _varied(60)
+    sampler = TokenBudgetBatchSampler([len(s["input_ids"]) for s in ds], max_tokens=64, seq_len=32, seed=3)
+    steps = TokenBudgetSteps(ds, sampler, accum_steps=3)
+    loader = [[s["sid"] for s in mb] for mb in torch.utils.data.DataLoader(ds, batch_sampler=sampler, collate_fn=list)]
+    got = [[[s["sid"] for s in mb] for mb in step] for step in steps]
+    assert [mb for step in got for mb in step] == loader and len(got) == len(steps) == -(-len(loader) // 3)
+    assert all(len(step) == 3 for step in got[:-1])
+    steps.set_epoch(1)
+    assert sampler.epoch == 1 and [[[s["sid"] for s in mb] for mb in step] for step in steps] != got
+    # resumable: train.DataStream skips steps of the (deterministic) epoch, and set_epoch reaches the sampler
+    from minimind_lib.train import DataStream
+
+    def ids(step):
+        return [[s["sid"] for s in mb] for mb in step]
+
+    fresh = lambda: TokenBudgetSteps(ds, TokenBudgetBatchSampler([len(s["input_ids"]) for s in ds], 64, seq_len=32,
+                                                                 seed=3), accum_steps=3)
+    stream = DataStream(fresh())
+    seen = [ids(stream.next()) for _ in range(len(got) + 2)]  # into epoch 1
+    assert seen[:len(got)] == got and seen[len(got)] == [[i for i in b] for b in sampler.batches(1)[:3]]
+    resumed = DataStream(fresh())
+    resumed.load_state_dict({"epoch": 1, "offset": 1})
+    assert ids(resumed.next()) == seen[-1]
+    with pytest.raises(ValueError, match="accum_steps >= 1"):
+        TokenBudgetSteps(ds, sampler, 0)
+    with pytest.raises(ValueError, match="this dataset's lengths"):
+        TokenBudgetSteps(ds[:10], sampler, 2)
+
+
+def test_token_mode_keeps_fitting_micro_batches_and_resplits_after_oom():
+    ds = _varied(40, seed=1)
+    sampler = TokenBudgetBatchSampler([len(s["input_ids"]) for s in ds], max_tokens=96, seq_len=32, seed=0)
+    step = next(iter(TokenBudgetSteps(ds, sampler, accum_steps=4)))
+    assert split_step(step_groups(step), None, 96, 32) == step  # no pressure: the sampler's micro-batches, untouched
+    assert all(len(mb) * max(min(len(s["input_ids"]), 32) for s in mb) <= 40 for mb in split_step(step, None, 40, 32)
+               if len(mb) > 1)
+    fake = FakeTrainer(limit=40)  # a micro-batch of more than 40 padded tokens "runs out of memory"
+    fake_ids = []  # the sample ids of successful steps (the fake records input_ids[:, 0])
+
+    def accumulate(micro):
+        out = fake(micro)
+        fake_ids.extend(i for mb in micro for i in mb["sid"])
+        return out
+
+    ctl = AdaptiveBatchController(max_tokens=96, seq_len=32, zero_grad=fake.zero_grad,
+                                  collate_fn=lambda b: {**pad_collate(b), "sid": [s["sid"] for s in b]})
+    out = ctl.run_step(step, accumulate)
+    assert sorted(fake_ids) == sorted(s["sid"] for mb in step for s in mb)  # every sample once, none twice
+    assert ctl.max_tokens <= 48 and ctl.micro_batch_size is None and out["accum_steps"] > len(step)
+    assert {e.kind for e in ctl.events} == {"oom_halve"} and ctl.stats["samples_lost"] == 0
+
+
+def test_seq_len_cut_comes_back_when_memory_is_low():
+    meter = FakeMeter(1000)
+    fake = FakeTrainer(limit=30)
+    ctl = AdaptiveBatchController(2, meter=meter, check_every=1, max_retries=0, zero_grad=fake.zero_grad)
+    meter.value = 600  # between the water marks: no shrink, no growth
+    ctl.run_step(_samples(1, length=40), fake)  # one row of 40 > 30: no halving possible, cut 40 -> 32 -> 25
+    assert [e.kind for e in ctl.events] == ["oom_seq_cut", "oom_seq_cut"] and ctl.seq_len == 25
+    assert meter.resets == 2 and ctl.uncut_len == 40 and ctl.n_truncated == 1 and ctl.tokens_truncated == 15
+    meter.value = 200  # 20% of the budget, x 40/25 = 32% < high water: the full rows come back
+    ctl.run_step(_samples(1, length=10), fake)
+    assert ctl.events[-1].kind == "grow_seq_len" and ctl.seq_len is None and ctl.uncut_len is None
+
+
+def test_fit_trains_token_budget_steps_through_the_controller_with_injected_oom():
+    """The pipeline's micro-batches (TokenBudgetSteps) through train.fit and the controller: an OOM injected into
+    large micro-batches is recovered, every sample is trained exactly once, and every step's loss equals the plain
+    DataLoader run with cfg.accum_steps (the split changes, the token-weighted gradient does not)."""
+    model_mod = pytest.importorskip("minimind_lib.model")
+    train = pytest.importorskip("minimind_lib.train")
+    torch.set_num_threads(1)
+    ds = _varied(48, seed=2, lo=4, hi=48)
+    lengths = [len(s["input_ids"]) for s in ds]
+    accum, max_tokens, steps = 2, 96, 4
+
+    def make():
+        torch.manual_seed(0)
+        model = model_mod.MiniMindForCausalLM(model_mod.MiniMindConfig.preset("smoke", vocab_size=256))
+        return model
+
+    def cfg(**kw):
+        return train.TrainConfig(max_steps=steps, lr=1e-3, warmup_steps=1, amp="off", progress=False, **kw)
+
+    sampler = TokenBudgetBatchSampler(lengths, max_tokens, seq_len=48, seed=0)
+    assert len(sampler) >= steps * accum  # the first epoch holds every step: no shorter last step
+    loader = torch.utils.data.DataLoader(ds, batch_sampler=sampler, collate_fn=pad_collate)
+    plain = train.fit(make(), loader, cfg(accum_steps=accum), device="cpu")
+
+    model = make()
+    recorded = []
+
+    def boom(module, args, kwargs):  # an OOM for any micro-batch above 60 padded tokens
+        if args[0].numel() > 60:
+            raise torch.OutOfMemoryError("CUDA out of memory (injected by the test)")
+
+    model.register_forward_pre_hook(boom, with_kwargs=True)
+
+    def collate(b):
+        recorded.append([s["sid"] for s in b])
+        return pad_collate(b)
+
+    ctl = AdaptiveBatchController(max_tokens=max_tokens, seq_len=48, collate_fn=collate, zero_grad=model)
+    df = train.fit(model, TokenBudgetSteps(ds, TokenBudgetBatchSampler(lengths, max_tokens, seq_len=48, seed=0), accum),
+                   cfg(), device="cpu", controller=ctl)
+    assert ctl.stats["oom_events_recovered"] >= 1 and "oom_halve" in ";".join(df["event"])
+    assert ctl.stats["samples_lost"] == 0 and ctl.stats["n_truncated"] == 0
+    expected = sorted(i for b in sampler.batches(0)[:steps * accum] for i in b)
+    trained = [sid for mb in recorded for sid in mb]
+    # every sample of the 4 steps trained once in the successful attempts (failed attempts collated too: count sets)
+    assert sorted(set(trained)) == expected and ctl.stats["samples_seen"] == len(expected)
+    np.testing.assert_allclose(df["loss"], plain["loss"], rtol=1e-5)
+    assert (df["max_tokens"].iloc[-1] <= 60) and list(df["accum_steps"])[-1] > accum

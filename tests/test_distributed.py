@@ -221,7 +221,7 @@ def test_sampler_serves_dataset_samples_and_cuts_at_seq_len():
     s = D.DistributedTokenBudgetSampler(_lengths(ds), 64, 2, seq_len=16, dataset=ds)
     got = [x for step in s for mb in step for x in mb]
     assert sorted(map(id, got)) == sorted(map(id, ds))  # the dataset's own samples, each once
-    assert s.base.cap == 16  # rows longer than seq_len count as seq_len tokens (the collate cuts them)
+    assert s.base.longest_row == 16  # rows longer than seq_len count as seq_len tokens (the collate cuts them)
 
 
 # --------------------------------------------------------------------------------------------- env, launch
