@@ -318,8 +318,3 @@ def main(argv: list[str] | None = None) -> dict:
     })
     result["targets"]["samples_lost_eq_0"] = result["samples_lost"] == 0
     return result
-
-
-# --------------------------------------------------------------------------------------------- warm-up ordering
-
-
