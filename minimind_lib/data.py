@@ -1,10 +1,9 @@
 """Datasets and batches, built in notebook 02_data: token ids -> {"input_ids", "labels"} samples -> padded batches.
 
-``PretrainDataset`` / ``SFTDataset`` hold MiniMind's samples in memory, tokenize them lazily (MiniMind's way) or
-read them from the memmap files of ``minimind_lib.corpus`` (re-exported here), and cut documents longer than
-seq_len (truncated or chunked, and counted). Labels are aligned with input_ids, IGNORE_INDEX where nothing is
-trained (SFT: everything but the assistant's words). ``pad_collate`` pads samples into ``(B, T)`` batches;
-``dataset.lengths`` is what batching builds on. Nothing is dropped silently: see ``dataset.stats``.
+``PretrainDataset`` / ``SFTDataset`` hold MiniMind's samples in memory, tokenize them lazily (MiniMind's way) or read
+the memmaps of ``minimind_lib.corpus``, and cut documents longer than seq_len (truncated or chunked, and counted in
+``dataset.stats``). Labels are IGNORE_INDEX where nothing is trained (SFT: all but the assistant's words).
+``pad_collate`` pads samples into ``(B, T)`` batches; ``dataset.lengths`` is what batching builds on.
 """
 
 from __future__ import annotations
@@ -18,10 +17,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from .corpus import (KINDS, PAYLOAD, DataFormatError, JsonlReader, MemmapInfo, assistant_mask, check_choice,  # noqa: F401
-                     default_num_workers, encode_pretrain, encode_sft, memmap_is_fresh, read_jsonl, read_memmap_meta,
-                     tokenize_reader, tokenize_samples, tokenize_to_memmap, tokenizer_fingerprint,
-                     tokenizers_parallelism_off, validate_record)
+from .corpus import (PAYLOAD, JsonlReader, check_choice, read_memmap_meta, tokenize_reader, tokenize_samples,
+                     tokenizer_fingerprint)
 from .tokenizer import check_vocab
 
 IGNORE_INDEX = -100  # the label of a position whose next token is not trained (PyTorch CE ignore_index)
@@ -71,12 +68,10 @@ class DataStats:
 
 
 class _TokenDataset(Dataset):
-    """Documents as flat token ids + offsets (+ the SFT mask), from a jsonl file (in memory or tokenized lazily)
-    or a memmap; cut here into rows with labels, lengths and stats.
-
-    A document longer than seq_len is truncated (``long_docs="truncate"``, MiniMind's way: the rest is lost,
-    and counted) or chunked (``"chunk"``, pretraining only): split into rows of seq_len tokens that overlap
-    by one token, so every next-token target of the document is trained exactly once."""
+    """Documents as flat token ids + offsets (+ the SFT mask), from a jsonl file (in memory or tokenized lazily) or a
+    memmap, cut into rows with labels, lengths and stats: a document longer than seq_len is truncated ("truncate",
+    MiniMind's way: the rest is lost, and counted) or, pretraining only, chunked ("chunk") into rows of seq_len
+    tokens overlapping by one, so every next-token target is trained exactly once."""
 
     kind = "pretrain"
 
@@ -204,11 +199,8 @@ class _TokenDataset(Dataset):
 class PretrainDataset(_TokenDataset):
     """MiniMind pretrain samples: input_ids = ([bos] + tokens + [eos])[:seq_len], labels = input_ids.
 
-    `source` is a jsonl path (tokenized once in memory; lazy=True tokenizes in __getitem__ like MiniMind),
-    a memmap prefix or a memmap-backed dataset (for files larger than RAM). A longer document is truncated
-    (``long_docs="truncate"``, MiniMind's way: a plain cut, no fake <|im_end|>, counted in `stats`) or
-    chunked (``"chunk"``): rows of seq_len tokens overlapping by one, so no target is lost; only the first
-    row starts with <|im_start|> and only the last ends with <|im_end|>."""
+    `source`: a jsonl path (tokenized once in memory; lazy=True: in __getitem__, like MiniMind), a memmap prefix or
+    a memmap-backed dataset. Truncation is a plain cut (no fake <|im_end|>); chunks keep every target."""
 
     kind = "pretrain"
 
