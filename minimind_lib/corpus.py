@@ -57,7 +57,18 @@ def _check_text(text: Any, where: str, allow_blank: bool = False) -> None:
         raise ValueError(f"{where} holds a lone surrogate {text[e.start]!r} at index {e.start} (not valid Unicode)") from None
 
 
-def _validate_sft(conv: Any) -> None:
+def validate_record(record: Any, kind: str) -> None:
+    """Raise ValueError (message naming the key and value) unless `record` is a valid `kind` sample."""
+    check_choice("kind", kind, KINDS)
+    if not isinstance(record, dict):
+        raise ValueError(f"expected a JSON object, got {type(record).__name__}")
+    example = '{"text": "..."}' if kind == "pretrain" else '{"conversations": [{"role": "user", "content": "..."}, ...]}'
+    if PAYLOAD[kind] not in record:
+        raise ValueError(f"missing key {PAYLOAD[kind]!r} ({kind} lines look like {example}); keys: {sorted(record)}")
+    if kind == "pretrain":
+        _check_text(record["text"], "key 'text'")
+        return
+    conv = record["conversations"]
     if not isinstance(conv, list) or not conv:
         raise ValueError(f"key 'conversations' must be a non-empty list, got {conv!r:.80}")
     for t, turn in enumerate(conv):
@@ -75,20 +86,6 @@ def _validate_sft(conv: Any) -> None:
         raise ValueError("conversations has no 'assistant' turn, so nothing would be trained")
 
 
-def validate_record(record: Any, kind: str) -> None:
-    """Raise ValueError (message naming the key and value) unless `record` is a valid `kind` sample."""
-    check_choice("kind", kind, KINDS)
-    if not isinstance(record, dict):
-        raise ValueError(f"expected a JSON object, got {type(record).__name__}")
-    example = '{"text": "..."}' if kind == "pretrain" else '{"conversations": [{"role": "user", "content": "..."}, ...]}'
-    if PAYLOAD[kind] not in record:
-        raise ValueError(f"missing key {PAYLOAD[kind]!r} ({kind} lines look like {example}); keys: {sorted(record)}")
-    if kind == "pretrain":
-        _check_text(record["text"], "key 'text'")
-    else:
-        _validate_sft(record["conversations"])
-
-
 def _parse_line(raw: bytes, kind: str | None) -> Any:
     """Parse one jsonl line and validate it; raises ValueError with a message that lacks only the location."""
     raw = raw.rstrip(b"\r\n")  # so an error's column is on this line, not "column 1" of the next
@@ -104,7 +101,8 @@ def _parse_line(raw: bytes, kind: str | None) -> Any:
 
 
 class JsonlReader:
-    """An iterable over the records of a jsonl file, counting the lines it read, skipped and found blank."""
+    """The records of a jsonl file: on_error='raise' stops at the first bad line (file:line), 'skip' skips and counts
+    it (and warns); counts the lines read, skipped and found blank."""
 
     def __init__(self, path: str | os.PathLike, on_error: str = "raise", kind: str | None = None,
                  max_samples: int | None = None):
@@ -150,10 +148,7 @@ class JsonlReader:
         return {"n_skipped": self.n_skipped, "n_blank": self.n_blank, "skipped_examples": list(self.skipped_examples)}
 
 
-def read_jsonl(path: str | os.PathLike, on_error: str = "raise", kind: str | None = None,
-               max_samples: int | None = None) -> JsonlReader:
-    """Iterate a jsonl file's records: on_error='raise' stops at the first bad line (file:line), 'skip' counts them."""
-    return JsonlReader(path, on_error=on_error, kind=kind, max_samples=max_samples)
+read_jsonl = JsonlReader  # read_jsonl(path, on_error="raise", kind=None, max_samples=None): the name callers use
 
 
 def encode_pretrain(tokenizer, text: str) -> np.ndarray:

@@ -307,13 +307,15 @@ class _Run:
                                 extra={"lr_scale": self.lr_scale, "bad_steps": self.bad_steps})
         return "ckpt"
 
-    def restore(self, path: str | Path, check_config: bool) -> None:
-        """Load a training state: weights, optimizer, scaler, controller, step, data position, RNGs."""
+    def restore(self, path: str | Path, resume: bool) -> None:
+        """Load a training state: weights, optimizer, scaler, controller, step, data position, RNGs; to resume a run,
+        check its config and take its counters too (a NaN rollback keeps this run's)."""
         info = load_training_state(path, self.model, optimizer=self.optimizer, scaler=self.scaler,
-                                   controller=self.controller, cfg=self.cfg if check_config else None,
+                                   controller=self.controller, cfg=self.cfg if resume else None,
                                    map_location=self.device, restore_rng=False)
-        extra = info["extra"]
-        self.step, self.lr_scale, self.bad_steps = info["step"], extra.get("lr_scale", 1.0), extra.get("bad_steps", 0)
+        self.step = info["step"]
+        if resume:
+            self.lr_scale, self.bad_steps = info["extra"].get("lr_scale", 1.0), info["extra"].get("bad_steps", 0)
         self.stream.load_state_dict(info["data"])
         set_rng_state(info["rng"])  # last: re-creating the data iterator may draw from the RNG (a shuffling loader)
 
@@ -389,18 +391,14 @@ def _count_bad_step(run: _Run, row: dict) -> None:
     if run.rollbacks >= cfg.max_rollbacks:
         raise RuntimeError(f"training diverged: {run.bad_in_row} non-finite steps in a row at step {row['step']} "
                            f"after {run.rollbacks} rollbacks (lr scale {run.lr_scale:g})")
-    run.rollbacks += 1
-    new_scale = run.lr_scale * cfg.lr_backoff
+    run.rollbacks, run.bad_in_row, run.lr_scale = run.rollbacks + 1, 0, run.lr_scale * cfg.lr_backoff
     if run.ckpt_path is not None and run.ckpt_path.exists():
-        bad_total = run.bad_steps
-        run.restore(run.ckpt_path, check_config=False)
-        run.bad_steps = bad_total
+        run.restore(run.ckpt_path, resume=False)
         events.append(f"rollback_to_step_{run.step}")
     else:
         events.append("no_checkpoint_to_roll_back_to")
         run.step += 1
-    run.lr_scale, run.bad_in_row = new_scale, 0
-    events.append(f"lr_scale={new_scale:g}")
+    events.append(f"lr_scale={run.lr_scale:g}")
 
 
 def _evaluate_and_save(run: _Run, row: dict, val_batches: Iterable[dict] | None) -> None:
@@ -425,7 +423,7 @@ def fit(model: nn.Module, train_batches_or_loader: Iterable, cfg: TrainConfig, *
     `controller.run_step` to split. cb(step, row) runs after each step; a "stop" ends training."""
     run = _Run(model, train_batches_or_loader, cfg, torch.device(device), controller, meter, is_main_process)
     if resume_from is not None:
-        run.restore(Path(resume_from), check_config=True)
+        run.restore(Path(resume_from), resume=True)
     else:
         seed_everything(cfg.seed)
     rows, stop, t_start = [], False, time.perf_counter()
