@@ -1,11 +1,8 @@
-"""Dynamic batching, built in notebook 06_dynamic_batching: token budgets, packing, an adaptive micro-batch.
-
-In the notebook's order: ``TokenBudgetBatchSampler`` (megabatches sorted longest first, greedy batches under rows x
-longest row <= ``max_tokens``); ``pack_sequences`` (documents in rows of exactly ``seq_len``, ``block_causal_mask``);
-``AdaptiveBatchController`` (micro-batches that follow a memory budget, OOM recovery without losing a sample), which
-``train.fit(model, steps, cfg, device=..., controller=ctl)`` feeds one optimizer step per item of ``steps``: a flat
-list of samples (``StepSamples``; ``micro_batch_size=`` rows each) or a sampler's ``accum_steps`` micro-batches
-(``TokenBudgetSteps``; trained as they are while they fit the controller's ``max_tokens``, re-split once it shrank).
+"""Dynamic batching, built in notebook 06_dynamic_batching, in its order: token-budget batches
+(``TokenBudgetBatchSampler``), packing (``pack_sequences``, ``block_causal_mask``) and an adaptive micro-batch with OOM
+recovery (``AdaptiveBatchController``), which ``train.fit(model, steps, cfg, device=..., controller=ctl)`` feeds one
+optimizer step per item of ``steps``: flat lists of samples (``StepSamples``) or a sampler's micro-batches
+(``TokenBudgetSteps``: trained as they are while they fit the controller's ``max_tokens``, re-split once it shrank).
 """
 
 from __future__ import annotations
@@ -313,8 +310,7 @@ class AdaptiveBatchController:
         self.uncut_len: int | None = None  # the longest row before a seq_len cut (None: not cut)
         self.collate_fn, self.zero_grad = collate_fn or pad_collate, zero_grad
         self.step = self.samples_in = self.samples_seen = self.oom_count = self.n_truncated = self.tokens_truncated = 0
-        self.events: list[BatchEvent] = []
-        self._window_peak = 0  # highest step peak since the last memory check
+        self.events, self._window_peak = [], 0  # _window_peak: highest step peak since the last memory check
 
     sizes = property(lambda self: (self.micro_batch_size, self.max_tokens), doc="(micro_batch_size, max_tokens) now")
 

@@ -1,8 +1,6 @@
-"""Resuming a run, the other half of notebook 04_gradient_accumulation's loop (train.fit): RNG states, the data
-position (`DataStream`) and training checkpoints: model, optimizer, GradScaler, step (the LR schedule is a function of
-it), data position, controller state and RNG states, written atomically (fileio) and read with `torch.load(
-weights_only=True)`, so tensors and plain values only. Weights alone: `model.save_checkpoint` / `load_checkpoint`.
-"""
+"""Resuming notebook 04_gradient_accumulation's loop (train.fit): RNG states, the data position (`DataStream`) and
+training checkpoints (model, optimizer, GradScaler, step, data position, controller, RNGs), written atomically and read
+with `torch.load(weights_only=True)`: tensors and plain values only. Weights alone: `model.save_checkpoint`."""
 
 from __future__ import annotations
 
@@ -168,5 +166,4 @@ def load_training_state(path: str | Path, model: nn.Module, *, optimizer: torch.
         controller.load_state_dict(state["controller"])
     if restore_rng:
         set_rng_state(state["rng"])
-    return {"step": int(state["step"]), "data": state["data"], "rng": state["rng"], "config": state["config"],
-            "extra": state.get("extra", {}), "path": str(path)}
+    return {"step": int(state["step"]), "data": state["data"], "rng": state["rng"], "extra": state.get("extra", {})}

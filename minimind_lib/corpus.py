@@ -1,10 +1,6 @@
-"""MiniMind's jsonl files, built in notebook 02_data: read and validated line by line, tokenized once into memmaps.
-
-``read_jsonl`` validates pretrain ``{"text"}`` and SFT ``{"conversations"}`` lines (errors name file:line);
-``encode_pretrain`` / ``encode_sft`` turn a record into token ids (SFT: and the assistant's mask);
-``tokenize_to_memmap`` streams a file through worker processes into uint16 token files, rebuilt only when the source
-file, the tokenizer or the settings change. ``minimind_lib.data`` builds datasets and batches on top.
-"""
+"""MiniMind's jsonl files, built in notebook 02_data: read and validated line by line (``read_jsonl``), encoded
+(``encode_pretrain``, ``encode_sft``) and tokenized once, in worker processes, into uint16 memmap files
+(``tokenize_to_memmap``), rebuilt only when the source file, the tokenizer or the settings change."""
 
 from __future__ import annotations
 
@@ -108,10 +104,9 @@ class JsonlReader:
                  max_samples: int | None = None):
         check_choice("on_error", on_error, ON_ERROR)
         check_choice("kind", kind, (*KINDS, None))
-        self.path = Path(path)
-        if not self.path.is_file():
-            raise FileNotFoundError(f"jsonl file not found: {self.path}")
-        self.on_error, self.kind, self.max_samples = on_error, kind, max_samples
+        if not (path := Path(path)).is_file():
+            raise FileNotFoundError(f"jsonl file not found: {path}")
+        self.path, self.on_error, self.kind, self.max_samples = path, on_error, kind, max_samples
         self.n_lines = self.n_records = self.n_blank = self.n_skipped = self.n_bytes = 0  # blank lines hold no sample
         self.skipped_examples: list[str] = []  # the first few "file:line: reason" messages
 
@@ -170,11 +165,8 @@ def _read_role(tokenizer, ids: list[int], i: int, header: list[int]) -> tuple[st
 
 
 def assistant_mask(tokenizer, ids: Sequence[int]) -> np.ndarray:
-    """uint8 mask over a chat-template token sequence: 1 on every assistant turn's content and its <|im_end|>.
-
-    The header ``<|im_start|>assistant\\n`` and the ``\\n`` after ``<|im_end|>`` are not trained (MiniMind's
-    ``generate_labels`` does train that ``\\n``; it is never generated because generation stops at <|im_end|>).
-    Special tokens are atomic, so we anchor on them and decode only the few role tokens after <|im_start|>."""
+    """uint8 mask over a chat-template token sequence: 1 on every assistant turn's content and its <|im_end|>, not on
+    the ``\\n`` after it (MiniMind trains it; generation stops at <|im_end|>). Anchored on the atomic special tokens."""
     ids, header = [int(i) for i in ids], list(tokenizer.encode("assistant\n", add_special_tokens=False))
     n, bos, eos = len(ids), tokenizer.bos_token_id, tokenizer.eos_token_id
     mask, i = np.zeros(n, dtype=np.uint8), 0
@@ -233,9 +225,8 @@ def tokenizers_parallelism_off() -> Iterator[None]:
     try:
         yield
     finally:
-        if old is None:
-            os.environ.pop("TOKENIZERS_PARALLELISM", None)
-        else:
+        os.environ.pop("TOKENIZERS_PARALLELISM", None)
+        if old is not None:
             os.environ["TOKENIZERS_PARALLELISM"] = old
 
 

@@ -1,10 +1,8 @@
 """Datasets and batches, built in notebook 02_data: token ids -> {"input_ids", "labels"} samples -> padded batches.
 
-``PretrainDataset`` / ``SFTDataset`` hold MiniMind's samples in memory, tokenize them lazily (MiniMind's way) or read
-the memmaps of ``minimind_lib.corpus``, and cut documents longer than seq_len (truncated or chunked, and counted in
-``dataset.stats``). Labels are IGNORE_INDEX where nothing is trained (SFT: all but the assistant's words).
-``pad_collate`` pads samples into ``(B, T)`` batches; ``dataset.lengths`` is what batching builds on.
-"""
+``PretrainDataset`` / ``SFTDataset`` read a jsonl file or a ``corpus`` memmap, cut documents longer than seq_len
+(truncated or chunked, counted in ``dataset.stats``) and label with IGNORE_INDEX what is not trained (SFT: all but
+the assistant's words); ``pad_collate`` pads samples into ``(B, T)`` batches."""
 
 from __future__ import annotations
 
@@ -85,11 +83,9 @@ class _TokenDataset(Dataset):
                              f"and is truncated, never split")
         self.seq_len, self.long_docs, self.tokenizer, self.lazy = int(seq_len), long_docs, tokenizer, lazy
         self._lengths = self._stats = self._rows = self._tokens = self._mask = self._pid = self.prefix = None
-        if vocab_size is not None:
-            if tokenizer is None:
-                raise ValueError("vocab_size was given but no tokenizer to check it against")
+        if vocab_size is not None and tokenizer is not None:  # a memmap's ids are checked against it too
             check_vocab(tokenizer, vocab_size)
-        source = source.prefix if isinstance(source, _TokenDataset) and source.prefix else source
+        source = source.prefix if isinstance(source, _TokenDataset) and source.prefix else source  # same memmap
         if isinstance(source, (str, os.PathLike)) and Path(f"{source}.json").is_file() and not str(source).endswith(".jsonl"):
             self._open_memmap(str(source), tokenizer, vocab_size)
         else:
@@ -199,8 +195,8 @@ class _TokenDataset(Dataset):
 class PretrainDataset(_TokenDataset):
     """MiniMind pretrain samples: input_ids = ([bos] + tokens + [eos])[:seq_len], labels = input_ids.
 
-    `source`: a jsonl path (tokenized once in memory; lazy=True: in __getitem__, like MiniMind), a memmap prefix or
-    a memmap-backed dataset. Truncation is a plain cut (no fake <|im_end|>); chunks keep every target."""
+    `source`: a jsonl path (tokenized once in memory; lazy=True: in __getitem__, like MiniMind), a memmap prefix or a
+    memmap-backed dataset (its memmap at this seq_len). Truncation is a plain cut (no fake <|im_end|>)."""
 
     kind = "pretrain"
 
@@ -222,10 +218,8 @@ class MemmapDataset(_TokenDataset):
 
 def pad_collate(samples: Sequence[dict], pad_id: int = 0, seq_len: int | None = None,
                 fixed: bool = False) -> dict[str, torch.Tensor]:
-    """Pad samples into (B, T) input_ids, labels (-100 on pads) and attention_mask.
-
-    Rows longer than seq_len are cut to seq_len; fixed=True pads every row to seq_len (MiniMind's way),
-    else to the longest row of the batch (dynamic padding)."""
+    """(B, T) input_ids, labels (-100 on pads) and attention_mask of samples cut to seq_len, each row padded to
+    seq_len (fixed=True, MiniMind's way) or to the longest row of the batch (dynamic padding)."""
     if not samples:
         raise ValueError("pad_collate got an empty list of samples")
     if fixed and seq_len is None:

@@ -1,10 +1,6 @@
-"""The training loop built in notebooks 04_gradient_accumulation and 05_mixed_precision, tidied: same names, same order.
-
-04: a step (`forward_logits`), the schedule (`lr_at`), clipping and update (`optimizer_step`), exact token-weighted
-accumulation (`accumulate_step`), AdamW's groups (`build_optimizer`), the loop (`fit`); 05: autocast and the GradScaler
-(`resolve_amp`, `make_scaler`). `fit` adds validation, resumable checkpoints, NaN/inf steps rolled back at a lower LR,
-callbacks and the controller protocol (batching.py, distributed.py): `controller.run_step(step_item, accumulate_fn)`.
-"""
+"""The training loop built in notebooks 04_gradient_accumulation and 05_mixed_precision, tidied: same names, same order
+(the section comments name the notebook sections). `fit` adds validation, resumable checkpoints, NaN/inf steps rolled
+back at a lower LR, callbacks and the controller protocol of batching.py and distributed.py (see `fit`)."""
 
 from __future__ import annotations
 
@@ -419,8 +415,8 @@ def fit(model: nn.Module, train_batches_or_loader: Iterable, cfg: TrainConfig, *
         resume_from: str | Path | None = None, is_main_process: bool = True) -> pd.DataFrame:
     """Train `model` for cfg.max_steps optimizer steps; one metrics row per step (a DataFrame; attrs: run counters).
 
-    The data yields collated micro-batches (cfg.accum_steps per step) or, with a controller, each step's samples for
-    `controller.run_step` to split. cb(step, row) runs after each step; a "stop" ends training."""
+    The data yields collated micro-batches, cfg.accum_steps per step, or, with a controller, each step's samples:
+    `controller.run_step(item, accumulate_fn[, zero_grad=model])` splits them. cb(step, row): "stop" ends training."""
     run = _Run(model, train_batches_or_loader, cfg, torch.device(device), controller, meter, is_main_process)
     if resume_from is not None:
         run.restore(Path(resume_from), resume=True)
