@@ -28,8 +28,7 @@ def sort_megabatches(order: np.ndarray, lengths: np.ndarray, size: int) -> list[
 
 def fill_batches(order: Sequence[int], lengths: Sequence[int], max_tokens: int | None,
                  max_batch_size: int | None = None) -> list[list[int]]:
-    """Greedy batches of `order`: the next sample joins while (rows + 1) x longest row <= max_tokens (and rows <=
-    max_batch_size); a sample too long for any batch gets one of its own."""
+    """Greedy batches: a sample joins while (rows + 1) x longest row <= max_tokens and rows < max_batch_size."""
     batches, batch, longest = [], [], 0
     for i in order:
         n = int(lengths[i])
@@ -43,11 +42,9 @@ def fill_batches(order: Sequence[int], lengths: Sequence[int], max_tokens: int |
 
 
 class TokenBudgetBatchSampler(Sampler[list[int]]):
-    """Batches of indices whose padded size (rows x longest row) stays within ``max_tokens``, every sample once.
-
-    A sample longer than ``longest_row = min(max_tokens, seq_len)`` counts as that long (``pad_collate(samples,
-    seq_len=sampler.longest_row)`` cuts it; listed in ``truncated_indices``). The order is fixed by seed and epoch, so
-    ``checkpoint.DataStream`` resumes a ``DataLoader(ds, batch_sampler=sampler)`` mid-epoch by skipping batches."""
+    """Batches of indices whose padded size (rows x longest row) stays within ``max_tokens``, every sample once, in an
+    order fixed by seed and epoch; a sample longer than ``longest_row = min(max_tokens, seq_len)`` counts as that long
+    (``pad_collate(samples, seq_len=sampler.longest_row)`` cuts it) and is listed in ``truncated_indices``."""
 
     def __init__(self, lengths: Sequence[int] | np.ndarray, max_tokens: int, max_batch_size: int | None = None,
                  shuffle: bool = True, seed: int = 0, megabatch_mult: int = 50, seq_len: int | None = None) -> None:
@@ -123,8 +120,7 @@ class PackStats:
 
 
 def stream_segments(docs: Sequence[tuple], seq_len: int, stats: PackStats) -> list[list[tuple]]:
-    """Rows of segments (input_ids, labels): the documents in order, cut every seq_len tokens (a cut document goes
-    on in the next row)."""
+    """Rows of segments (input_ids, labels): the documents in order, cut every seq_len tokens (and go on next row)."""
     rows, row, room = [], [], seq_len
     for ids, labels in docs:
         stats.n_split += int(ids.numel() > room)  # it does not fit the rest of this row
@@ -214,8 +210,7 @@ def is_oom_error(err: BaseException) -> bool:
 
 
 def step_groups(step: Sequence) -> list[list]:
-    """One optimizer step as groups of samples: a flat list of samples is one group, a list of micro-batches (lists
-    of samples) one group per micro-batch."""
+    """A step as groups of samples: a flat list of samples is one group, a list of micro-batches one per micro-batch."""
     groups = [list(g) for g in step if len(g)] if step and isinstance(step[0], (list, tuple)) else [list(step)]
     if not sum(map(len, groups)):
         raise ValueError("run_step got no samples for this step")

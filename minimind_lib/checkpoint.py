@@ -147,7 +147,7 @@ def check_config(saved: dict, cfg: Any, path: str | Path) -> None:
 def load_training_state(path: str | Path, model: nn.Module, *, optimizer: torch.optim.Optimizer | None = None,
                         scaler: torch.amp.GradScaler | None = None, controller: Any = None, cfg: Any = None,
                         map_location: Any = "cpu", restore_rng: bool = True) -> dict:
-    """Load a training checkpoint into model, optimizer, scaler, controller and RNGs, checking it fits them and `cfg`."""
+    """Load a training checkpoint into model, optimizer, scaler, controller and RNGs; checks it fits them and cfg."""
     state = read_training_state(path, map_location=map_location)
     check_config(state["config"], cfg, path)  # cfg=None: nothing to compare
     check_state_dict(state["model"], model, path)

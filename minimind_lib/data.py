@@ -15,8 +15,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from .corpus import (PAYLOAD, JsonlReader, check_choice, read_memmap_meta, tokenize_reader, tokenize_samples,
-                     tokenizer_fingerprint)
+from .corpus import PAYLOAD, JsonlReader, check_choice, read_memmap_meta, tokenize_samples, tokenizer_fingerprint
 from .tokenizer import check_vocab
 
 IGNORE_INDEX = -100  # the label of a position whose next token is not trained (PyTorch CE ignore_index)
@@ -111,13 +110,10 @@ class _TokenDataset(Dataset):
             raise FileNotFoundError(f"{path} is neither a jsonl file nor a memmap prefix "
                                     f"(no {path}.json); build a memmap with tokenize_to_memmap")
         reader, self.path = JsonlReader(path, on_error=on_error, kind=self.kind, max_samples=max_samples), path
-        if self.lazy:  # MiniMind's way: keep the records, tokenize in __getitem__
-            self.records, self.offsets = [record[PAYLOAD[self.kind]] for record in reader], None
-        else:  # small files: tokenized once, in memory (use a memmap for big ones)
-            chunks = list(tokenize_reader(reader, tokenizer, 4096, 0))
-            self._tokens = np.concatenate([np.zeros(0, np.int64)] + [ids for ids, _, _ in chunks])
-            self._mask = np.concatenate([np.zeros(0, np.uint8)] + [m for _, _, m in chunks]) if self.kind == "sft" else None
-            self.offsets = np.cumsum([0] + [n for _, lengths, _ in chunks for n in lengths.tolist()])
+        self.records, self.offsets = [record[PAYLOAD[self.kind]] for record in reader], None
+        if not self.lazy:  # small files: tokenized at once, in memory (lazy: in __getitem__, MiniMind's way)
+            self._tokens, lengths, self._mask = tokenize_samples(self.kind, self.records, tokenizer)
+            self.offsets, self.records = np.concatenate([[0], np.cumsum(lengths)]), None
         self.read_counts = reader.counts()
 
     def __getstate__(self) -> dict:

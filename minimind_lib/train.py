@@ -54,9 +54,8 @@ class TrainConfig:
     max_rollbacks: int = 3  # rollbacks before giving up with an error
     progress: bool = True  # tqdm progress bar
 
-    # Fields that change the optimisation itself: resuming with a different value is an error.
     RESUME_FIELDS = ("lr", "min_lr", "warmup_steps", "max_steps", "accum_steps", "weight_decay", "betas",
-                     "eps", "grad_clip", "amp", "normalization", "seed")
+                     "eps", "grad_clip", "amp", "normalization", "seed")  # shape optimisation: resume only as saved
 
     def __post_init__(self) -> None:
         rules = [("amp", self.amp in AMP_MODES, f"one of {AMP_MODES}"), ("lr", self.lr > 0, "> 0"),
@@ -168,8 +167,7 @@ def accumulate_step(model: nn.Module, micro_batches: Sequence[dict], *, amp_dtyp
     loss_sum = torch.zeros((), device=device, dtype=torch.float32)
     for i, mb in enumerate(micro_batches):
         mb = _to_device(mb, device)
-        # Under DDP, all-reduce the gradients once per step: no sync on all but the last micro-batch.
-        last = world == 1 or i == k - 1 or not hasattr(model, "no_sync")
+        last = world == 1 or i == k - 1 or not hasattr(model, "no_sync")  # DDP: all-reduce grads once, at the last
         with contextlib.nullcontext() if last else model.no_sync():
             with torch.autocast(device_type=device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
                 logits = forward_logits(model, mb)
@@ -194,8 +192,7 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device | s
     params = [p for _, p in model.named_parameters() if p.requires_grad]  # named_parameters: the tied weight once
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    # fused: one kernel per parameter group instead of a loop of small ops (CUDA and CPU have it).
-    extra = {"fused": True} if torch.device(device).type in ("cuda", "cpu") else {}
+    extra = {"fused": True} if torch.device(device).type in ("cuda", "cpu") else {}  # one kernel, not many small ops
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, **extra)
 
 
