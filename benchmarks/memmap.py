@@ -21,7 +21,8 @@ import time
 import numpy as np
 import torch
 
-from minimind_lib.data import PretrainDataset, tokenize_to_memmap
+from minimind_lib.corpus import tokenize_to_memmap
+from minimind_lib.data import PretrainDataset
 from minimind_lib.device import get_device
 from minimind_lib.paths import DATA_DIR
 from minimind_lib.profiles import get_profile

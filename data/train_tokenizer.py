@@ -19,7 +19,7 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from minimind_lib.data import read_jsonl
+from minimind_lib.corpus import read_jsonl
 from minimind_lib.paths import DATA_DIR
 from minimind_lib.tokenizer import CONFIG_FILE, DEFAULT_DIR, DEFAULT_VOCAB_SIZE, TOKENIZER_FILE, Tokenizer
 

@@ -1,16 +1,8 @@
-"""Dynamic batching, built in notebook 06_dynamic_batching: token budgets, packing, an adaptive micro-batch.
-
-In the notebook's order: 1. ``TokenBudgetBatchSampler`` (shuffle, megabatches sorted longest first, greedy batches
-under rows x longest row <= ``max_tokens``, shuffled batches); 2. ``pack_sequences`` (documents in rows of exactly
-``seq_len``, positions per document, ``block_causal_mask``); 3. ``AdaptiveBatchController`` (micro-batches that follow
-a memory budget; OOM recovery without losing a sample). ``train.fit(model, steps, cfg, device=..., controller=ctl)``
-feeds it one optimizer step per item of ``steps`` (``step_groups``), from
-* ``StepSamples(dataset, samples_per_step)``, flat lists of samples, for ``AdaptiveBatchController(micro_batch_size=
-  rows, meter=...)``, which cuts them into micro-batches of that many rows; or
-* ``TokenBudgetSteps(dataset, sampler, accum_steps)``, the ``accum_steps`` micro-batches (lists of samples) of a
-  ``TokenBudgetBatchSampler`` per step, for ``AdaptiveBatchController(max_tokens=sampler.max_tokens, seq_len=
-  sampler.seq_len, meter=MemoryMeter(device, budget_bytes=...), collate_fn=partial(data.pad_collate, pad_id=...))``,
-  which trains exactly these micro-batches while they fit its ``max_tokens`` and re-splits them once it shrank.
+"""Dynamic batching, built in notebook 06_dynamic_batching, in its order: token-budget batches
+(``TokenBudgetBatchSampler``), packing (``pack_sequences``, ``block_causal_mask``) and an adaptive micro-batch with OOM
+recovery (``AdaptiveBatchController``), which ``train.fit(model, steps, cfg, device=..., controller=ctl)`` feeds one
+optimizer step per item of ``steps``: flat lists of samples (``StepSamples``) or a sampler's micro-batches
+(``TokenBudgetSteps``: trained as they are while they fit the controller's ``max_tokens``, re-split once it shrank).
 """
 
 from __future__ import annotations
@@ -36,8 +28,7 @@ def sort_megabatches(order: np.ndarray, lengths: np.ndarray, size: int) -> list[
 
 def fill_batches(order: Sequence[int], lengths: Sequence[int], max_tokens: int | None,
                  max_batch_size: int | None = None) -> list[list[int]]:
-    """Greedy batches of `order`: the next sample joins while (rows + 1) x longest row <= max_tokens (and rows <=
-    max_batch_size); a sample too long for any batch gets one of its own."""
+    """Greedy batches: a sample joins while (rows + 1) x longest row <= max_tokens and rows < max_batch_size."""
     batches, batch, longest = [], [], 0
     for i in order:
         n = int(lengths[i])
@@ -51,12 +42,9 @@ def fill_batches(order: Sequence[int], lengths: Sequence[int], max_tokens: int |
 
 
 class TokenBudgetBatchSampler(Sampler[list[int]]):
-    """Batches of indices whose padded size (rows x longest row) stays within ``max_tokens``, every kept sample once.
-
-    A sample longer than ``longest_row = min(max_tokens, seq_len)`` counts as that long (the collate cuts it:
-    ``data.pad_collate(samples, seq_len=sampler.longest_row)``); such samples are listed in ``truncated_indices`` and
-    counted in ``stats``. Use as ``DataLoader(ds, batch_sampler=sampler)``: train.DataStream calls ``set_epoch`` each
-    epoch and resumes mid-epoch by skipping batches (the order is fixed by seed and epoch)."""
+    """Batches of indices whose padded size (rows x longest row) stays within ``max_tokens``, every sample once, in an
+    order fixed by seed and epoch; a sample longer than ``longest_row = min(max_tokens, seq_len)`` counts as that long
+    (``pad_collate(samples, seq_len=sampler.longest_row)`` cuts it) and is listed in ``truncated_indices``."""
 
     def __init__(self, lengths: Sequence[int] | np.ndarray, max_tokens: int, max_batch_size: int | None = None,
                  shuffle: bool = True, seed: int = 0, megabatch_mult: int = 50, seq_len: int | None = None) -> None:
@@ -77,8 +65,7 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         self.lengths = np.minimum(self.raw_lengths, self.longest_row)  # as batched: the collate cuts longer ones
         rows = max(1, self.max_tokens // max(1, int(np.median(self.lengths)) if lengths.size else 1))
         self.megabatch_size = self.megabatch_mult * min(rows, max_batch_size or rows)  # samples of ~mult batches
-        self.epoch = 0
-        self._cache: tuple[int, list[list[int]]] | None = None
+        self.epoch, self._cache = 0, None  # _cache: (epoch, its batches)
 
     def batches(self, epoch: int | None = None) -> list[list[int]]:
         """All batches of an epoch, in the order they are served (deterministic given seed + epoch)."""
@@ -133,8 +120,7 @@ class PackStats:
 
 
 def stream_segments(docs: Sequence[tuple], seq_len: int, stats: PackStats) -> list[list[tuple]]:
-    """Rows of segments (input_ids, labels): the documents in order, cut every seq_len tokens (a cut document goes
-    on in the next row)."""
+    """Rows of segments (input_ids, labels): the documents in order, cut every seq_len tokens (and go on next row)."""
     rows, row, room = [], [], seq_len
     for ids, labels in docs:
         stats.n_split += int(ids.numel() > room)  # it does not fit the rest of this row
@@ -224,8 +210,7 @@ def is_oom_error(err: BaseException) -> bool:
 
 
 def step_groups(step: Sequence) -> list[list]:
-    """One optimizer step as groups of samples: a flat list of samples is one group, a list of micro-batches (lists
-    of samples) one group per micro-batch."""
+    """A step as groups of samples: a flat list of samples is one group, a list of micro-batches one per micro-batch."""
     groups = [list(g) for g in step if len(g)] if step and isinstance(step[0], (list, tuple)) else [list(step)]
     if not sum(map(len, groups)):
         raise ValueError("run_step got no samples for this step")
@@ -296,12 +281,9 @@ class BatchEvent:
 class AdaptiveBatchController:
     """Splits each optimizer step into micro-batches whose size follows the memory budget; recovers from OOM.
 
-    The size is ``micro_batch_size`` (rows) and/or ``max_tokens`` (rows x longest row); ``split_step`` cuts each group
-    of a step (``step_groups``) under it. Every ``check_every`` steps ``memory_check`` compares the highest step peak
-    with the meter's ``budget_bytes`` (``peak()``, ``reset_peak()``: a ``memory.MemoryMeter``). An OOM inside
-    ``accumulate_fn`` zeroes the gradients, frees memory and retries the same samples after ``after_oom`` (truncated
-    samples are counted in ``stats``).
-    """
+    The size is ``micro_batch_size`` (rows) and/or ``max_tokens`` (rows x longest row). Every ``check_every`` steps
+    ``memory_check`` compares the highest step peak with the meter's ``budget_bytes`` (a ``memory.MemoryMeter``). An
+    OOM zeroes the gradients, frees memory and retries the same samples at the sizes ``after_oom`` picks."""
 
     def __init__(self, micro_batch_size: int | None = None, *, max_tokens: int | None = None, meter: Any = None,
                  check_every: int = 100, high_water: float = 0.80, low_water: float = 0.50, shrink: float = 0.8,
@@ -316,16 +298,14 @@ class AdaptiveBatchController:
             raise ValueError(f"AdaptiveBatchController needs {rule}; got micro_batch_size={micro_batch_size}, "
                              f"max_tokens={max_tokens}, check_every={check_every}, max_retries={max_retries}, shrink="
                              f"{shrink}, seq_cut={seq_cut}, low_water={low_water}, high_water={high_water}")
-        self.micro_batch_size, self.max_tokens = micro_batch_size, max_tokens
-        self.start_sizes = (micro_batch_size, max_tokens)  # growing never goes past the start
+        self.micro_batch_size, self.max_tokens = self.start_sizes = (micro_batch_size, max_tokens)  # grow up to these
         self.meter, self.check_every, self.max_retries, self.min_seq_len = meter, check_every, max_retries, min_seq_len
         self.high_water, self.low_water, self.shrink, self.seq_cut = high_water, low_water, shrink, seq_cut
         self.seq_len = self.seq_len_start = seq_len
         self.uncut_len: int | None = None  # the longest row before a seq_len cut (None: not cut)
         self.collate_fn, self.zero_grad = collate_fn or pad_collate, zero_grad
         self.step = self.samples_in = self.samples_seen = self.oom_count = self.n_truncated = self.tokens_truncated = 0
-        self.events: list[BatchEvent] = []
-        self._window_peak = 0  # highest step peak since the last memory check
+        self.events, self._window_peak = [], 0  # _window_peak: highest step peak since the last memory check
 
     sizes = property(lambda self: (self.micro_batch_size, self.max_tokens), doc="(micro_batch_size, max_tokens) now")
 
@@ -428,7 +408,7 @@ class AdaptiveBatchController:
 
 class StepSamples:
     """Per-step flat lists of `samples_per_step` samples for ``fit(..., controller=...)``, shuffled by seed + epoch
-    (train.DataStream resumes by skipping steps); an epoch's last, shorter step is kept."""
+    (DataStream resumes by skipping steps); an epoch's last, shorter step is kept."""
 
     def __init__(self, dataset: Sequence, samples_per_step: int, shuffle: bool = True, seed: int = 0) -> None:
         if int(samples_per_step) < 1 or len(dataset) == 0:
@@ -451,10 +431,8 @@ class StepSamples:
 
 
 class TokenBudgetSteps:
-    """Per-step token-budget micro-batches for ``fit(..., controller=...)``: the next `accum_steps` batches of
-    `sampler`, each a list of samples of `dataset`: the micro-batches of ``DataLoader(dataset, batch_sampler=sampler)``
-    read `accum_steps` at a time, except that an epoch's last step may hold fewer. Deterministic per epoch
-    (train.DataStream resumes it by skipping steps); ``set_epoch`` goes to the sampler."""
+    """Per-step token-budget micro-batches for ``fit(..., controller=...)``: `sampler`'s next `accum_steps` batches
+    (an epoch's last step may hold fewer), each a list of samples; deterministic per epoch, so resumable."""
 
     def __init__(self, dataset: Sequence, sampler: TokenBudgetBatchSampler, accum_steps: int) -> None:
         if int(accum_steps) < 1 or len(sampler.raw_lengths) != len(dataset):

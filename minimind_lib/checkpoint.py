@@ -1,11 +1,6 @@
-"""Resuming a run, the other half of notebook 04_gradient_accumulation's loop (train.fit): RNG states, the data
-position (`DataStream`) and training-state checkpoints.
-
-A training checkpoint holds the model, the optimizer, the GradScaler, the step (the LR schedule is a pure function
-of it), the data position, a batch controller's state and every RNG state. It is written atomically (fileio) and
-read with `torch.load(weights_only=True)`, so it holds only tensors and plain values, never pickled objects.
-(Model weights alone: `model.save_checkpoint` / `load_checkpoint`, which also takes a training checkpoint's model.)
-"""
+"""Resuming notebook 04_gradient_accumulation's loop (train.fit): RNG states, the data position (`DataStream`) and
+training checkpoints (model, optimizer, GradScaler, step, data position, controller, RNGs), written atomically and read
+with `torch.load(weights_only=True)`: tensors and plain values only. Weights alone: `model.save_checkpoint`."""
 
 from __future__ import annotations
 
@@ -32,8 +27,7 @@ def get_rng_state() -> dict:
     return {"torch_cpu": torch.get_rng_state(),
             "numpy": {"name": str(np_name), "keys": torch.from_numpy(np_keys.astype(np.int64)), "pos": int(np_pos),
                       "has_gauss": int(np_has_gauss), "cached_gaussian": float(np_gauss)},
-            "python": {"version": int(py_version), "state": [int(x) for x in py_state],
-                       "gauss_next": None if py_gauss is None else float(py_gauss)},
+            "python": {"version": py_version, "state": list(py_state), "gauss_next": py_gauss},
             "torch_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
 
 
@@ -44,18 +38,15 @@ def set_rng_state(state: dict) -> None:
     np.random.set_state((n["name"], n["keys"].cpu().numpy().astype(np.uint32), n["pos"], n["has_gauss"],
                          n["cached_gaussian"]))
     random.setstate((p["version"], tuple(p["state"]), p["gauss_next"]))
-    cuda = state.get("torch_cuda") or []
-    if cuda and torch.cuda.is_available():  # a run resumed on fewer GPUs restores the ones it has
-        torch.cuda.set_rng_state_all([s.cpu() for s in cuda[: torch.cuda.device_count()]])
+    if torch.cuda.is_available():  # a run resumed on fewer GPUs restores the ones it has
+        torch.cuda.set_rng_state_all([s.cpu() for s in state["torch_cuda"][:torch.cuda.device_count()]])
 
 
 class DataStream:
     """Endless iteration over a re-iterable source (list, DataLoader), epoch by epoch, at a resumable position."""
 
     def __init__(self, source: Iterable) -> None:
-        self.source, self.epoch, self.offset, self._it = source, 0, 0, None
-        # A generator cannot restart; a list or DataLoader can (no iter() here: it would start a loader's workers)
-        self.restartable = not hasattr(source, "__next__")
+        self.source, self.epoch, self.offset, self._it = source, 0, 0, None  # no iter(): it starts a loader's workers
 
     def next(self) -> Any:
         """The next item; starts a new epoch when the current one ends (StopIteration for a spent generator)."""
@@ -64,7 +55,7 @@ class DataStream:
         try:
             item = next(self._it)
         except StopIteration:
-            if not self.restartable:
+            if hasattr(self.source, "__next__"):  # a generator cannot restart; a list or a DataLoader can
                 raise
             if self.offset == 0:
                 raise ValueError("the training data is empty: an epoch yielded no batches") from None
@@ -79,14 +70,13 @@ class DataStream:
 
     def load_state_dict(self, state: dict) -> None:
         """Move to a position: start its epoch (set_epoch on the source or its sampler), skip `offset` items."""
-        self.epoch, self.offset = int(state["epoch"]), 0
+        self.epoch, self.offset = int(state["epoch"]), int(state["offset"])
         for obj in (self.source, getattr(self.source, "sampler", None), getattr(self.source, "batch_sampler", None)):
-            if obj is not None and hasattr(obj, "set_epoch"):
+            if hasattr(obj, "set_epoch"):
                 obj.set_epoch(self.epoch)
         self._it = iter(self.source)
-        for _ in range(int(state["offset"])):
+        for _ in range(self.offset):
             next(self._it)
-            self.offset += 1
 
 
 def seed_everything(seed: int) -> None:
@@ -104,8 +94,9 @@ def atomic_save(obj: Any, path: str | Path) -> Path:
 
 
 def _config_dict(cfg: Any) -> dict:
-    """A TrainConfig (or dict, or None) as plain types."""
-    return {} if cfg is None else cfg.to_dict() if hasattr(cfg, "to_dict") else dict(cfg)
+    """A TrainConfig (or dict, or None) as plain types, tuples as lists (as a checkpoint holds them)."""
+    config = {} if cfg is None else cfg.to_dict() if hasattr(cfg, "to_dict") else dict(cfg)
+    return {key: list(value) if isinstance(value, tuple) else value for key, value in config.items()}
 
 
 def save_training_state(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, *, cfg: Any,
@@ -116,27 +107,24 @@ def save_training_state(path: str | Path, model: nn.Module, optimizer: torch.opt
     if bad:
         raise ValueError(f"refusing to write checkpoint {path}: parameter {bad[0]!r} (and {len(bad) - 1} more) "
                          f"holds NaN/inf")
-    has_state = controller is not None and hasattr(controller, "state_dict")
     return atomic_save({"format": FORMAT, "version": VERSION, "model": model.state_dict(),
                         "optimizer": optimizer.state_dict(), "scaler": None if scaler is None else scaler.state_dict(),
                         "step": int(step), "data": dict(data_state or {"epoch": 0, "offset": 0}),
-                        "controller": controller.state_dict() if has_state else None, "rng": get_rng_state(),
-                        "config": _config_dict(cfg), "extra": dict(extra or {})}, path)
+                        "controller": controller.state_dict() if hasattr(controller, "state_dict") else None,
+                        "rng": get_rng_state(), "config": _config_dict(cfg), "extra": dict(extra or {})}, path)
 
 
 def read_training_state(path: str | Path, map_location: Any = "cpu") -> dict:
     """Read and validate a training checkpoint (weights_only=True); clear errors for missing/corrupt files."""
-    path = Path(path)
-    if not path.is_file():
+    if not Path(path).is_file():
         raise FileNotFoundError(f"training checkpoint not found: {path}")
     try:
         state = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:  # truncated, not a torch file, or holds objects weights_only refuses
-        first = (str(e).splitlines() or [""])[0][:300]
         raise ValueError(f"cannot read training checkpoint {path} (corrupt or not a checkpoint): "
-                         f"{type(e).__name__}: {first}") from e
-    if not isinstance(state, dict) or state.get("format") != FORMAT:
-        found = state.get("format") if isinstance(state, dict) else type(state).__name__
+                         f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}") from e
+    found = state.get("format") if isinstance(state, dict) else type(state).__name__
+    if found != FORMAT:
         raise ValueError(f"{path}: not a training checkpoint (format={found!r}, expected {FORMAT!r}); "
                          f"model weights load with minimind_lib.model.load_checkpoint")
     missing = [key for key in REQUIRED_KEYS if key not in state]
@@ -147,29 +135,21 @@ def read_training_state(path: str | Path, map_location: Any = "cpu") -> dict:
     return state
 
 
-def check_config(saved: dict, cfg: Any, path: str | Path, fields: tuple[str, ...] | None = None) -> None:
-    """Raise ValueError naming the first field where the resumed config differs from the checkpoint's."""
-    current = _config_dict(cfg)
-    for name in fields if fields is not None else tuple(getattr(cfg, "RESUME_FIELDS", tuple(current))):
-        if name in saved and name in current:
-            a, b = saved[name], current[name]
-            if isinstance(a, (list, tuple)):  # a tuple saved becomes a list: compare as lists
-                a, b = list(a), list(b)
-            if a != b:
-                raise ValueError(f"cannot resume from {path}: config field {name!r} differs "
-                                 f"(checkpoint {saved[name]!r}, now {current[name]!r})")
+def check_config(saved: dict, cfg: Any, path: str | Path) -> None:
+    """Raise ValueError naming the first field (of cfg.RESUME_FIELDS, if it has them) that differs from `saved`."""
+    current, saved = _config_dict(cfg), _config_dict(saved)
+    for name in getattr(cfg, "RESUME_FIELDS", current):
+        if name in saved and name in current and saved[name] != current[name]:
+            raise ValueError(f"cannot resume from {path}: config field {name!r} differs "
+                             f"(checkpoint {saved[name]!r}, now {current[name]!r})")
 
 
 def load_training_state(path: str | Path, model: nn.Module, *, optimizer: torch.optim.Optimizer | None = None,
                         scaler: torch.amp.GradScaler | None = None, controller: Any = None, cfg: Any = None,
                         map_location: Any = "cpu", restore_rng: bool = True) -> dict:
-    """Load a training checkpoint into model/optimizer/scaler/controller (and RNGs); return step, data, rng, extra.
-
-    With `cfg`, the fields that shape optimisation (TrainConfig.RESUME_FIELDS) must match the checkpoint's."""
-    path = Path(path)
+    """Load a training checkpoint into model, optimizer, scaler, controller and RNGs; checks it fits them and cfg."""
     state = read_training_state(path, map_location=map_location)
-    if cfg is not None:
-        check_config(state["config"], cfg, path)
+    check_config(state["config"], cfg, path)  # cfg=None: nothing to compare
     check_state_dict(state["model"], model, path)
     model.load_state_dict(state["model"], strict=True)
     if optimizer is not None:
@@ -182,9 +162,8 @@ def load_training_state(path: str | Path, model: nn.Module, *, optimizer: torch.
             raise ValueError(f"{path}: checkpoint has no GradScaler state but this run uses fp16 + GradScaler "
                              f"(config field 'amp' differs?)")
         scaler.load_state_dict(state["scaler"])
-    if controller is not None and state.get("controller") is not None and hasattr(controller, "load_state_dict"):
+    if state.get("controller") is not None and hasattr(controller, "load_state_dict"):
         controller.load_state_dict(state["controller"])
     if restore_rng:
         set_rng_state(state["rng"])
-    return {"step": int(state["step"]), "data": state["data"], "rng": state["rng"], "config": state["config"],
-            "extra": state.get("extra", {}), "path": str(path)}
+    return {"step": int(state["step"]), "data": state["data"], "rng": state["rng"], "extra": state.get("extra", {})}

@@ -1,17 +1,11 @@
-"""MiniMind's jsonl files, built in notebook 02_data: read and validated line by line, tokenized once into memmaps.
-
-``read_jsonl`` validates MiniMind's pretrain ``{"text"}`` and SFT ``{"conversations"}`` lines, with errors naming
-file:line; ``encode_pretrain`` / ``encode_sft`` turn one record into token ids (and, for SFT, the mask of the
-assistant's tokens); ``tokenize_to_memmap`` streams a whole file through worker processes into uint16 token
-files, once: the cache is rebuilt only when the source file, the tokenizer or the settings change.
-``minimind_lib.data`` builds datasets and batches on top (and re-exports these names).
-"""
+"""MiniMind's jsonl files, built in notebook 02_data: read and validated line by line (``read_jsonl``), encoded
+(``encode_pretrain``, ``encode_sft``) and tokenized once, in worker processes, into uint16 memmap files
+(``tokenize_to_memmap``), rebuilt only when the source file, the tokenizer or the settings change."""
 
 from __future__ import annotations
 
 import collections
 import contextlib
-import functools
 import hashlib
 import itertools
 import json
@@ -59,7 +53,18 @@ def _check_text(text: Any, where: str, allow_blank: bool = False) -> None:
         raise ValueError(f"{where} holds a lone surrogate {text[e.start]!r} at index {e.start} (not valid Unicode)") from None
 
 
-def _validate_sft(conv: Any) -> None:
+def validate_record(record: Any, kind: str) -> None:
+    """Raise ValueError (message naming the key and value) unless `record` is a valid `kind` sample."""
+    check_choice("kind", kind, KINDS)
+    if not isinstance(record, dict):
+        raise ValueError(f"expected a JSON object, got {type(record).__name__}")
+    example = '{"text": "..."}' if kind == "pretrain" else '{"conversations": [{"role": "user", "content": "..."}, ...]}'
+    if PAYLOAD[kind] not in record:
+        raise ValueError(f"missing key {PAYLOAD[kind]!r} ({kind} lines look like {example}); keys: {sorted(record)}")
+    if kind == "pretrain":
+        _check_text(record["text"], "key 'text'")
+        return
+    conv = record["conversations"]
     if not isinstance(conv, list) or not conv:
         raise ValueError(f"key 'conversations' must be a non-empty list, got {conv!r:.80}")
     for t, turn in enumerate(conv):
@@ -77,20 +82,6 @@ def _validate_sft(conv: Any) -> None:
         raise ValueError("conversations has no 'assistant' turn, so nothing would be trained")
 
 
-def validate_record(record: Any, kind: str) -> None:
-    """Raise ValueError (message naming the key and value) unless `record` is a valid `kind` sample."""
-    check_choice("kind", kind, KINDS)
-    if not isinstance(record, dict):
-        raise ValueError(f"expected a JSON object, got {type(record).__name__}")
-    example = '{"text": "..."}' if kind == "pretrain" else '{"conversations": [{"role": "user", "content": "..."}, ...]}'
-    if PAYLOAD[kind] not in record:
-        raise ValueError(f"missing key {PAYLOAD[kind]!r} ({kind} lines look like {example}); keys: {sorted(record)}")
-    if kind == "pretrain":
-        _check_text(record["text"], "key 'text'")
-    else:
-        _validate_sft(record["conversations"])
-
-
 def _parse_line(raw: bytes, kind: str | None) -> Any:
     """Parse one jsonl line and validate it; raises ValueError with a message that lacks only the location."""
     raw = raw.rstrip(b"\r\n")  # so an error's column is on this line, not "column 1" of the next
@@ -106,17 +97,16 @@ def _parse_line(raw: bytes, kind: str | None) -> Any:
 
 
 class JsonlReader:
-    """An iterable over the records of a jsonl file, counting the lines it read, skipped and found blank."""
+    """The records of a jsonl file: on_error='raise' stops at the first bad line (file:line), 'skip' skips and counts
+    it (and warns); counts the lines read, skipped and found blank."""
 
     def __init__(self, path: str | os.PathLike, on_error: str = "raise", kind: str | None = None,
-                 max_samples: int | None = None, warn: bool = True):
+                 max_samples: int | None = None):
         check_choice("on_error", on_error, ON_ERROR)
-        if kind is not None:
-            check_choice("kind", kind, KINDS)
-        self.path = Path(path)
-        if not self.path.is_file():
-            raise FileNotFoundError(f"jsonl file not found: {self.path}")
-        self.on_error, self.kind, self.max_samples, self.warn = on_error, kind, max_samples, warn
+        check_choice("kind", kind, (*KINDS, None))
+        if not (path := Path(path)).is_file():
+            raise FileNotFoundError(f"jsonl file not found: {path}")
+        self.path, self.on_error, self.kind, self.max_samples = path, on_error, kind, max_samples
         self.n_lines = self.n_records = self.n_blank = self.n_skipped = self.n_bytes = 0  # blank lines hold no sample
         self.skipped_examples: list[str] = []  # the first few "file:line: reason" messages
 
@@ -140,7 +130,7 @@ class JsonlReader:
                     continue
                 self.n_records += 1
                 yield record
-        if self.n_skipped and self.warn:
+        if self.n_skipped:
             warnings.warn(self.report(), stacklevel=2)
 
     def report(self) -> str:
@@ -153,10 +143,7 @@ class JsonlReader:
         return {"n_skipped": self.n_skipped, "n_blank": self.n_blank, "skipped_examples": list(self.skipped_examples)}
 
 
-def read_jsonl(path: str | os.PathLike, on_error: str = "raise", kind: str | None = None,
-               max_samples: int | None = None) -> JsonlReader:
-    """Iterate a jsonl file's records: on_error='raise' stops at the first bad line (file:line), 'skip' counts them."""
-    return JsonlReader(path, on_error=on_error, kind=kind, max_samples=max_samples)
+read_jsonl = JsonlReader  # read_jsonl(path, on_error="raise", kind=None, max_samples=None): the name callers use
 
 
 def encode_pretrain(tokenizer, text: str) -> np.ndarray:
@@ -165,16 +152,9 @@ def encode_pretrain(tokenizer, text: str) -> np.ndarray:
     return np.asarray([tokenizer.bos_token_id, *ids, tokenizer.eos_token_id], dtype=np.int64)
 
 
-@functools.lru_cache(maxsize=8)
-def _assistant_header(tokenizer) -> tuple[int, ...]:
-    # the ids of "assistant\n" as they usually appear after <|im_start|>; a fast path for assistant_mask
-    return tuple(tokenizer.encode("assistant\n", add_special_tokens=False))
-
-
-def _read_role(tokenizer, ids: list[int], i: int) -> tuple[str, int]:
+def _read_role(tokenizer, ids: list[int], i: int, header: list[int]) -> tuple[str, int]:
     """The role named after the <|im_start|> at ids[i], and the index where that turn's content starts."""
-    header = _assistant_header(tokenizer)
-    if tuple(ids[i + 1:i + 1 + len(header)]) == header:
+    if ids[i + 1:i + 1 + len(header)] == header:  # the usual ids of "assistant\n": a fast path
         return "assistant", i + 1 + len(header)
     j, text = i + 1, ""  # slow path: decode the header token by token until its "\n"
     while j < len(ids) and "\n" not in text and ids[j] not in (tokenizer.bos_token_id, tokenizer.eos_token_id):
@@ -185,19 +165,16 @@ def _read_role(tokenizer, ids: list[int], i: int) -> tuple[str, int]:
 
 
 def assistant_mask(tokenizer, ids: Sequence[int]) -> np.ndarray:
-    """uint8 mask over a chat-template token sequence: 1 on every assistant turn's content and its <|im_end|>.
-
-    The header ``<|im_start|>assistant\\n`` and the ``\\n`` after ``<|im_end|>`` are not trained (MiniMind's
-    ``generate_labels`` does train that ``\\n``; it is never generated because generation stops at <|im_end|>).
-    Special tokens are atomic, so we anchor on them and decode only the few role tokens after <|im_start|>."""
-    ids = [int(i) for i in ids]
+    """uint8 mask over a chat-template token sequence: 1 on every assistant turn's content and its <|im_end|>, not on
+    the ``\\n`` after it (MiniMind trains it; generation stops at <|im_end|>). Anchored on the atomic special tokens."""
+    ids, header = [int(i) for i in ids], list(tokenizer.encode("assistant\n", add_special_tokens=False))
     n, bos, eos = len(ids), tokenizer.bos_token_id, tokenizer.eos_token_id
     mask, i = np.zeros(n, dtype=np.uint8), 0
     while i < n:
         if ids[i] != bos:
             i += 1
             continue
-        role, start = _read_role(tokenizer, ids, i)
+        role, start = _read_role(tokenizer, ids, i, header)
         end = start
         while end < n and ids[end] not in (bos, eos):
             end += 1
@@ -248,9 +225,8 @@ def tokenizers_parallelism_off() -> Iterator[None]:
     try:
         yield
     finally:
-        if old is None:
-            os.environ.pop("TOKENIZERS_PARALLELISM", None)
-        else:
+        os.environ.pop("TOKENIZERS_PARALLELISM", None)
+        if old is not None:
             os.environ["TOKENIZERS_PARALLELISM"] = old
 
 
@@ -327,13 +303,11 @@ def _cache_key(jsonl_path: str | os.PathLike, tokenizer, kind: str, max_samples:
 def memmap_is_fresh(out_prefix: str | os.PathLike, jsonl_path: str | os.PathLike, tokenizer, kind: str = "pretrain",
                     max_samples: int | None = None, on_error: str = "raise") -> tuple[bool, str]:
     """(fresh, reason): whether the memmap at out_prefix matches this source file, tokenizer and settings."""
-    prefix, meta_path = str(out_prefix), Path(str(out_prefix) + ".json")
-    if not meta_path.is_file():
-        return False, "no cache yet"
+    prefix = str(out_prefix)
     try:
-        meta = json.loads(meta_path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        return False, f"unreadable metadata ({e})"
+        meta = read_memmap_meta(prefix)
+    except (OSError, ValueError) as e:  # no cache yet, unreadable, or of another format (JSONDecodeError: ValueError)
+        return False, str(e)
     for key, value in _cache_key(jsonl_path, tokenizer, kind, max_samples, on_error).items():
         if meta.get(key) != value:
             return False, f"{key} changed (cache: {meta.get(key)!r:.120}, now: {value!r:.120})"
@@ -353,7 +327,7 @@ def default_num_workers() -> int:
 
 
 def _memmap_info(prefix: str, reused: bool, seconds: float, num_workers: int) -> MemmapInfo:
-    meta = json.loads(Path(prefix + ".json").read_text())
+    meta = read_memmap_meta(prefix)
     return MemmapInfo(prefix, meta["kind"], meta["n_samples"], meta["n_tokens"], meta["n_skipped"], meta["n_blank"],
                       reused, seconds, num_workers, meta.get("skipped_examples", []))
 
@@ -362,12 +336,9 @@ def tokenize_to_memmap(jsonl_path: str | os.PathLike, tokenizer, out_prefix: str
                        num_workers: int | None = None, kind: str = "pretrain", chunk_size: int = 512,
                        on_error: str = "raise", max_samples: int | None = None, force: bool = False,
                        progress: bool = True) -> MemmapInfo:
-    """Tokenize a jsonl file once into `<prefix>.bin` (uint16 ids), `.idx.npy` (int64 offsets, n+1), `.mask.bin`
-    (SFT: uint8 trained-token mask) and `.json` (metadata, written last: its presence marks a finished cache).
-
-    Streams the file (constant memory, a bounded number of chunks in flight), tokenizing in `num_workers`
-    processes (0 = in this process, with the tokenizer's own batch encoder), with a progress bar over bytes.
-    An existing cache is reused only if the source file (size, mtime), tokenizer and settings are unchanged."""
+    """Tokenize a jsonl file once into `<prefix>.bin` (uint16 ids), `.idx.npy` (int64 offsets, n+1), `.mask.bin` (SFT:
+    uint8 trained-token mask) and `.json` (written last: it marks a finished cache), streaming the file through
+    `num_workers` processes (0: here); reused while the source file (size, mtime), tokenizer and settings are unchanged."""
     reader = JsonlReader(jsonl_path, on_error=on_error, kind=kind, max_samples=max_samples)
     if int(tokenizer.vocab_size) > MAX_UINT16_VOCAB:
         raise ValueError(f"tokenizer vocab_size={tokenizer.vocab_size} does not fit uint16 token files "
@@ -406,8 +377,7 @@ def tokenize_to_memmap(jsonl_path: str | os.PathLike, tokenizer, out_prefix: str
 
 def read_memmap_meta(prefix: str) -> dict:
     """The metadata of a memmap, checked for its format."""
-    meta_path = Path(prefix + ".json")
-    if not meta_path.is_file():
+    if not (meta_path := Path(prefix + ".json")).is_file():
         raise FileNotFoundError(f"memmap metadata not found: {meta_path} (build it with tokenize_to_memmap)")
     meta = json.loads(meta_path.read_text())
     if meta.get("format") != "minimind-memmap" or meta.get("version") != MEMMAP_FORMAT_VERSION:

@@ -1,11 +1,8 @@
 """Datasets and batches, built in notebook 02_data: token ids -> {"input_ids", "labels"} samples -> padded batches.
 
-``PretrainDataset`` / ``SFTDataset`` hold MiniMind's samples in memory, tokenize them lazily (MiniMind's way) or
-read them from the memmap files of ``minimind_lib.corpus`` (re-exported here), and cut documents longer than
-seq_len (truncated or chunked, and counted). Labels are aligned with input_ids, IGNORE_INDEX where nothing is
-trained (SFT: everything but the assistant's words). ``pad_collate`` pads samples into ``(B, T)`` batches;
-``dataset.lengths`` is what batching builds on. Nothing is dropped silently: see ``dataset.stats``.
-"""
+``PretrainDataset`` / ``SFTDataset`` read a jsonl file or a ``corpus`` memmap, cut documents longer than seq_len
+(truncated or chunked, counted in ``dataset.stats``) and label with IGNORE_INDEX what is not trained (SFT: all but
+the assistant's words); ``pad_collate`` pads samples into ``(B, T)`` batches."""
 
 from __future__ import annotations
 
@@ -18,10 +15,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from .corpus import (KINDS, PAYLOAD, DataFormatError, JsonlReader, MemmapInfo, assistant_mask, check_choice,  # noqa: F401
-                     default_num_workers, encode_pretrain, encode_sft, memmap_is_fresh, read_jsonl, read_memmap_meta,
-                     tokenize_reader, tokenize_samples, tokenize_to_memmap, tokenizer_fingerprint,
-                     tokenizers_parallelism_off, validate_record)
+from .corpus import PAYLOAD, JsonlReader, check_choice, read_memmap_meta, tokenize_samples, tokenizer_fingerprint
 from .tokenizer import check_vocab
 
 IGNORE_INDEX = -100  # the label of a position whose next token is not trained (PyTorch CE ignore_index)
@@ -71,12 +65,10 @@ class DataStats:
 
 
 class _TokenDataset(Dataset):
-    """Documents as flat token ids + offsets (+ the SFT mask), from a jsonl file (in memory or tokenized lazily)
-    or a memmap; cut here into rows with labels, lengths and stats.
-
-    A document longer than seq_len is truncated (``long_docs="truncate"``, MiniMind's way: the rest is lost,
-    and counted) or chunked (``"chunk"``, pretraining only): split into rows of seq_len tokens that overlap
-    by one token, so every next-token target of the document is trained exactly once."""
+    """Documents as flat token ids + offsets (+ the SFT mask), from a jsonl file (in memory or tokenized lazily) or a
+    memmap, cut into rows with labels, lengths and stats: a document longer than seq_len is truncated ("truncate",
+    MiniMind's way: the rest is lost, and counted) or, pretraining only, chunked ("chunk") into rows of seq_len
+    tokens overlapping by one, so every next-token target is trained exactly once."""
 
     kind = "pretrain"
 
@@ -90,11 +82,9 @@ class _TokenDataset(Dataset):
                              f"and is truncated, never split")
         self.seq_len, self.long_docs, self.tokenizer, self.lazy = int(seq_len), long_docs, tokenizer, lazy
         self._lengths = self._stats = self._rows = self._tokens = self._mask = self._pid = self.prefix = None
-        if vocab_size is not None:
-            if tokenizer is None:
-                raise ValueError("vocab_size was given but no tokenizer to check it against")
+        if vocab_size is not None and tokenizer is not None:  # a memmap's ids are checked against it too
             check_vocab(tokenizer, vocab_size)
-        source = source.prefix if isinstance(source, _TokenDataset) and source.prefix else source
+        source = source.prefix if isinstance(source, _TokenDataset) and source.prefix else source  # same memmap
         if isinstance(source, (str, os.PathLike)) and Path(f"{source}.json").is_file() and not str(source).endswith(".jsonl"):
             self._open_memmap(str(source), tokenizer, vocab_size)
         else:
@@ -120,13 +110,10 @@ class _TokenDataset(Dataset):
             raise FileNotFoundError(f"{path} is neither a jsonl file nor a memmap prefix "
                                     f"(no {path}.json); build a memmap with tokenize_to_memmap")
         reader, self.path = JsonlReader(path, on_error=on_error, kind=self.kind, max_samples=max_samples), path
-        if self.lazy:  # MiniMind's way: keep the records, tokenize in __getitem__
-            self.records, self.offsets = [record[PAYLOAD[self.kind]] for record in reader], None
-        else:  # small files: tokenized once, in memory (use a memmap for big ones)
-            chunks = list(tokenize_reader(reader, tokenizer, 4096, 0))
-            self._tokens = np.concatenate([np.zeros(0, np.int64)] + [ids for ids, _, _ in chunks])
-            self._mask = np.concatenate([np.zeros(0, np.uint8)] + [m for _, _, m in chunks]) if self.kind == "sft" else None
-            self.offsets = np.cumsum([0] + [n for _, lengths, _ in chunks for n in lengths.tolist()])
+        self.records, self.offsets = [record[PAYLOAD[self.kind]] for record in reader], None
+        if not self.lazy:  # small files: tokenized at once, in memory (lazy: in __getitem__, MiniMind's way)
+            self._tokens, lengths, self._mask = tokenize_samples(self.kind, self.records, tokenizer)
+            self.offsets, self.records = np.concatenate([[0], np.cumsum(lengths)]), None
         self.read_counts = reader.counts()
 
     def __getstate__(self) -> dict:
@@ -204,11 +191,8 @@ class _TokenDataset(Dataset):
 class PretrainDataset(_TokenDataset):
     """MiniMind pretrain samples: input_ids = ([bos] + tokens + [eos])[:seq_len], labels = input_ids.
 
-    `source` is a jsonl path (tokenized once in memory; lazy=True tokenizes in __getitem__ like MiniMind),
-    a memmap prefix or a memmap-backed dataset (for files larger than RAM). A longer document is truncated
-    (``long_docs="truncate"``, MiniMind's way: a plain cut, no fake <|im_end|>, counted in `stats`) or
-    chunked (``"chunk"``): rows of seq_len tokens overlapping by one, so no target is lost; only the first
-    row starts with <|im_start|> and only the last ends with <|im_end|>."""
+    `source`: a jsonl path (tokenized once in memory; lazy=True: in __getitem__, like MiniMind), a memmap prefix or a
+    memmap-backed dataset (its memmap at this seq_len). Truncation is a plain cut (no fake <|im_end|>)."""
 
     kind = "pretrain"
 
@@ -230,10 +214,8 @@ class MemmapDataset(_TokenDataset):
 
 def pad_collate(samples: Sequence[dict], pad_id: int = 0, seq_len: int | None = None,
                 fixed: bool = False) -> dict[str, torch.Tensor]:
-    """Pad samples into (B, T) input_ids, labels (-100 on pads) and attention_mask.
-
-    Rows longer than seq_len are cut to seq_len; fixed=True pads every row to seq_len (MiniMind's way),
-    else to the longest row of the batch (dynamic padding)."""
+    """(B, T) input_ids, labels (-100 on pads) and attention_mask of samples cut to seq_len, each row padded to
+    seq_len (fixed=True, MiniMind's way) or to the longest row of the batch (dynamic padding)."""
     if not samples:
         raise ValueError("pad_collate got an empty list of samples")
     if fixed and seq_len is None:

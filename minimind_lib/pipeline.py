@@ -120,7 +120,7 @@ def read_run_config(run_dir: str | Path) -> dict:
 
 def load_run(run_dir: str | Path, device: torch.device | str | None = None):
     """(model, tokenizer, config) of a run directory; clear errors for a missing/corrupt checkpoint or vocab mismatch."""
-    from .data import tokenizer_fingerprint
+    from .corpus import tokenizer_fingerprint
     from .model import MiniMindConfig, MiniMindForCausalLM, load_checkpoint
     from .tokenizer import check_vocab, load_tokenizer
 
@@ -156,7 +156,8 @@ def _cache_prefix(cache_dir: Path, data_path: Path, kind: str) -> Path:
 def _memmap_dataset(path: Path, tok, kind: str, seq_len: int, cache_dir: Path, max_samples: int | None,
                     progress: bool):
     """Tokenize `path` once into the memmap cache (reused while the file and tokenizer are unchanged); the dataset."""
-    from .data import PretrainDataset, SFTDataset, tokenize_to_memmap
+    from .corpus import tokenize_to_memmap
+    from .data import PretrainDataset, SFTDataset
 
     prefix = _cache_prefix(cache_dir, path, kind)
     workers = 0 if path.stat().st_size < SMALL_FILE_BYTES else None
@@ -341,7 +342,7 @@ def _run_impl(stage: str, *, dinfo, data, out, profile, config, max_tokens, accu
 
     from . import distributed as D
 
-    from .data import tokenizer_fingerprint
+    from .corpus import tokenizer_fingerprint
     from .device import get_device
     from .generate import generate
     from .model import MiniMindConfig, MiniMindForCausalLM, save_checkpoint

@@ -1,12 +1,6 @@
-"""The training loop built in notebooks 04_gradient_accumulation and 05_mixed_precision, tidied: same names, same order.
-
-04 writes: a plain step (`forward_logits`, `model.lm_loss`), the warmup + cosine schedule (`lr_at`), clipping and the
-update (`optimizer_step`), exact token-weighted accumulation (`step_token_count`, `accumulate_step`), AdamW's groups
-(`build_optimizer`) and the loop (`fit`); 05 adds autocast and the GradScaler (`resolve_amp`, `make_scaler`).
-`fit` adds, each in a named step: validation, resumable checkpoints, NaN/inf steps skipped and rolled back at a lower
-LR, callbacks, and the controller protocol of batching.py and distributed.py: `controller.run_step(step_item,
-accumulate_fn[, zero_grad=model])` with `accumulate_fn(micro_batches, *, forward_model=None, n_tokens_total=None)`.
-"""
+"""The training loop built in notebooks 04_gradient_accumulation and 05_mixed_precision, tidied: same names, same order
+(the section comments name the notebook sections). `fit` adds validation, resumable checkpoints, NaN/inf steps rolled
+back at a lower LR, callbacks and the controller protocol of batching.py and distributed.py (see `fit`)."""
 
 from __future__ import annotations
 
@@ -60,20 +54,18 @@ class TrainConfig:
     max_rollbacks: int = 3  # rollbacks before giving up with an error
     progress: bool = True  # tqdm progress bar
 
-    # Fields that change the optimisation itself: resuming with a different value is an error.
     RESUME_FIELDS = ("lr", "min_lr", "warmup_steps", "max_steps", "accum_steps", "weight_decay", "betas",
-                     "eps", "grad_clip", "amp", "normalization", "seed")
+                     "eps", "grad_clip", "amp", "normalization", "seed")  # shape optimisation: resume only as saved
 
     def __post_init__(self) -> None:
-        for name, choices in (("amp", AMP_MODES), ("normalization", NORMALIZATIONS)):
-            if getattr(self, name) not in choices:
-                raise ValueError(f"TrainConfig.{name}={getattr(self, name)!r}; choose one of {choices}")
-        for name, low in (("max_steps", 1), ("accum_steps", 1), ("max_bad_steps", 1), ("warmup_steps", 0),
-                          ("log_every", 0), ("eval_every", 0), ("ckpt_every", 0)):
-            if int(getattr(self, name)) < low:
-                raise ValueError(f"TrainConfig.{name}={getattr(self, name)!r} must be >= {low}")
-        if self.lr <= 0:
-            raise ValueError(f"TrainConfig.lr={self.lr!r} must be > 0")
+        rules = [("amp", self.amp in AMP_MODES, f"one of {AMP_MODES}"), ("lr", self.lr > 0, "> 0"),
+                 ("normalization", self.normalization in NORMALIZATIONS, f"one of {NORMALIZATIONS}")]
+        rules += [(name, int(getattr(self, name)) >= low, f">= {low}") for name, low in (
+            ("max_steps", 1), ("accum_steps", 1), ("max_bad_steps", 1), ("warmup_steps", 0), ("log_every", 0),
+            ("eval_every", 0), ("ckpt_every", 0))]
+        for name, ok, rule in rules:
+            if not ok:
+                raise ValueError(f"TrainConfig.{name}={getattr(self, name)!r}: must be {rule}")
         self.betas = tuple(float(b) for b in self.betas)
         self.min_lr = self.lr / 10 if self.min_lr is None else self.min_lr
 
@@ -173,11 +165,9 @@ def accumulate_step(model: nn.Module, micro_batches: Sequence[dict], *, amp_dtyp
     if n_tokens_total <= 0:
         raise ValueError("accumulate_step: the step has no trained tokens (every shifted label is -100)")
     loss_sum = torch.zeros((), device=device, dtype=torch.float32)
-    rows = padded = 0
     for i, mb in enumerate(micro_batches):
         mb = _to_device(mb, device)
-        # Under DDP, all-reduce the gradients once per step: no sync on all but the last micro-batch.
-        last = world == 1 or i == k - 1 or not hasattr(model, "no_sync")
+        last = world == 1 or i == k - 1 or not hasattr(model, "no_sync")  # DDP: all-reduce grads once, at the last
         with contextlib.nullcontext() if last else model.no_sync():
             with torch.autocast(device_type=device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
                 logits = forward_logits(model, mb)
@@ -188,13 +178,12 @@ def accumulate_step(model: nn.Module, micro_batches: Sequence[dict], *, amp_dtyp
                 loss = token_loss_sum / max(trained_tokens(mb["labels"]), 1) / k
             (scaler.scale(loss) if scaler is not None else loss).backward()
         loss_sum += token_loss_sum.detach().float()
-        rows += mb["input_ids"].shape[0]
-        padded += mb["input_ids"].numel()
     if world > 1:  # the logged loss is the step's global token mean
         loss_sum = all_reduce_sum(float(loss_sum), device, torch.float64)
-    loss_sum_f = float(loss_sum)  # one device sync per step
-    return {"loss_sum": loss_sum_f, "n_tokens": int(n_tokens_total), "loss": loss_sum_f / n_tokens_total,
-            "micro_batches": k, "rows": rows, "padded_tokens": padded}
+    loss_sum = float(loss_sum)  # one device sync per step
+    return {"loss_sum": loss_sum, "n_tokens": int(n_tokens_total), "loss": loss_sum / n_tokens_total,
+            "micro_batches": k, "rows": sum(len(mb["input_ids"]) for mb in micro_batches),
+            "padded_tokens": sum(mb["input_ids"].numel() for mb in micro_batches)}
 
 
 # 5. AdamW's parameter groups (04, section 5) --------------------------------------------------------------------
@@ -203,8 +192,7 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device | s
     params = [p for _, p in model.named_parameters() if p.requires_grad]  # named_parameters: the tied weight once
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    # fused: one kernel per parameter group instead of a loop of small ops (CUDA and CPU have it).
-    extra = {"fused": True} if torch.device(device).type in ("cuda", "cpu") else {}
+    extra = {"fused": True} if torch.device(device).type in ("cuda", "cpu") else {}  # one kernel, not many small ops
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, **extra)
 
 
@@ -224,11 +212,10 @@ class AmpSettings:
 
 
 def resolve_amp(amp: str, device: torch.device | str) -> AmpSettings:
-    """Autocast dtype and GradScaler for `amp` ("auto"|"bf16"|"fp16"|"off") on `device`.
+    """Autocast dtype, GradScaler and why, for `amp` ("auto"|"bf16"|"fp16"|"off") on `device`.
 
-    auto: CUDA with bf16 tensor cores -> bf16 (no scaler: bf16 has fp32's exponent range); older CUDA -> fp16 +
-    GradScaler; CPU with bf16 instructions -> bf16; CPU without -> fp32 (emulated 16-bit math is slower, notebook
-    05 measures it); MPS -> fp32 (autocast coverage varies with the macOS/torch version; opt in with amp="bf16")."""
+    auto: native bf16 (CUDA, CPU) -> bf16, no scaler (fp32's exponent range); older CUDA -> fp16 + GradScaler; else
+    fp32 (emulated 16-bit math is slower, notebook 05 measures it; MPS: autocast coverage varies, opt in)."""
     device = torch.device(device)
     if amp not in AMP_MODES:
         raise ValueError(f"amp={amp!r}; choose one of {AMP_MODES}")
@@ -313,13 +300,15 @@ class _Run:
                                 extra={"lr_scale": self.lr_scale, "bad_steps": self.bad_steps})
         return "ckpt"
 
-    def restore(self, path: str | Path, check_config: bool) -> None:
-        """Load a training state: weights, optimizer, scaler, controller, step, data position, RNGs."""
+    def restore(self, path: str | Path, resume: bool) -> None:
+        """Load a training state: weights, optimizer, scaler, controller, step, data position, RNGs; to resume a run,
+        check its config and take its counters too (a NaN rollback keeps this run's)."""
         info = load_training_state(path, self.model, optimizer=self.optimizer, scaler=self.scaler,
-                                   controller=self.controller, cfg=self.cfg if check_config else None,
+                                   controller=self.controller, cfg=self.cfg if resume else None,
                                    map_location=self.device, restore_rng=False)
-        self.step, self.lr_scale = info["step"], info["extra"].get("lr_scale", 1.0)
-        self.bad_steps = info["extra"].get("bad_steps", 0)
+        self.step = info["step"]
+        if resume:
+            self.lr_scale, self.bad_steps = info["extra"].get("lr_scale", 1.0), info["extra"].get("bad_steps", 0)
         self.stream.load_state_dict(info["data"])
         set_rng_state(info["rng"])  # last: re-creating the data iterator may draw from the RNG (a shuffling loader)
 
@@ -379,9 +368,8 @@ def _train_step(run: _Run) -> dict | None:
            "peak_memory_bytes": float("nan") if run.meter is None else float(run.meter.peak()),
            "step_time": step_time, "skipped": skipped, "val_loss": float("nan"), "val_ppl": float("nan"),
            "scale": run.scaler.get_scale() if run.scaler is not None else float("nan"), "events": events}
-    for key, value in stats.items():  # controller extras: micro_batch_size, accum, seq_len, ...
-        if key not in row and key not in ("loss_sum", "n_tokens") and isinstance(value, (int, float, str)):
-            row[key] = value
+    row.update({key: value for key, value in stats.items()  # controller extras: micro_batch_size, seq_len, ...
+                if key not in row and key not in ("loss_sum", "n_tokens") and isinstance(value, (int, float, str))})
     return row
 
 
@@ -396,18 +384,14 @@ def _count_bad_step(run: _Run, row: dict) -> None:
     if run.rollbacks >= cfg.max_rollbacks:
         raise RuntimeError(f"training diverged: {run.bad_in_row} non-finite steps in a row at step {row['step']} "
                            f"after {run.rollbacks} rollbacks (lr scale {run.lr_scale:g})")
-    run.rollbacks += 1
-    new_scale = run.lr_scale * cfg.lr_backoff
+    run.rollbacks, run.bad_in_row, run.lr_scale = run.rollbacks + 1, 0, run.lr_scale * cfg.lr_backoff
     if run.ckpt_path is not None and run.ckpt_path.exists():
-        bad_total = run.bad_steps
-        run.restore(run.ckpt_path, check_config=False)
-        run.bad_steps = bad_total
+        run.restore(run.ckpt_path, resume=False)
         events.append(f"rollback_to_step_{run.step}")
     else:
         events.append("no_checkpoint_to_roll_back_to")
         run.step += 1
-    run.lr_scale, run.bad_in_row = new_scale, 0
-    events.append(f"lr_scale={new_scale:g}")
+    events.append(f"lr_scale={run.lr_scale:g}")
 
 
 def _evaluate_and_save(run: _Run, row: dict, val_batches: Iterable[dict] | None) -> None:
@@ -426,20 +410,17 @@ def fit(model: nn.Module, train_batches_or_loader: Iterable, cfg: TrainConfig, *
         val_batches: Iterable[dict] | None = None, controller: Any = None, meter: Any = None,
         callbacks: Sequence[Callable[[int, dict], Any]] | None = None,
         resume_from: str | Path | None = None, is_main_process: bool = True) -> pd.DataFrame:
-    """Train `model` for cfg.max_steps optimizer steps; return one metrics row per step (a DataFrame).
+    """Train `model` for cfg.max_steps optimizer steps; one metrics row per step (a DataFrame; attrs: run counters).
 
-    Without a controller the data yields collated micro-batches, cfg.accum_steps per step; with one it yields each
-    step's samples and `controller.run_step` splits them. cb(step, row) runs after each step; "stop" ends training.
-    Columns: step, loss, lr, grad_norm, tokens, tokens_per_s, peak_memory_bytes, step_time, skipped, val_loss,
-    val_ppl, scale, wall_time, event (plus the controller's scalar stats)."""
+    The data yields collated micro-batches, cfg.accum_steps per step, or, with a controller, each step's samples:
+    `controller.run_step(item, accumulate_fn[, zero_grad=model])` splits them. cb(step, row): "stop" ends training."""
     run = _Run(model, train_batches_or_loader, cfg, torch.device(device), controller, meter, is_main_process)
     if resume_from is not None:
-        run.restore(Path(resume_from), check_config=True)
+        run.restore(Path(resume_from), resume=True)
     else:
         seed_everything(cfg.seed)
     rows, stop, t_start = [], False, time.perf_counter()
-    bar = tqdm(total=cfg.max_steps, initial=run.step, disable=not cfg.progress, desc="train")
-    try:
+    with tqdm(total=cfg.max_steps, initial=run.step, disable=not cfg.progress, desc="train") as bar:
         while run.step < cfg.max_steps and not stop:
             row = _train_step(run)
             if row is None:
@@ -450,14 +431,12 @@ def fit(model: nn.Module, train_batches_or_loader: Iterable, cfg: TrainConfig, *
             row["event"] = ";".join(row.pop("events"))
             rows.append(row)
             bar.update(max(0, run.step - bar.n))
-            if cfg.progress and (cfg.log_every <= 1 or row["step"] % cfg.log_every == 0):
+            if row["step"] % max(cfg.log_every, 1) == 0:
                 bar.set_postfix(loss=f"{row['loss']:.3f}", lr=f"{row['lr']:.2e}")
             stop = "stop" in [cb(row["step"], row) for cb in callbacks or []]  # every callback runs
         if run.ckpt_path is not None and rows and "ckpt" not in rows[-1]["event"].split(";"):
             tag = run.save()  # the final state, so a later run (or notebook) can resume or load it
             rows[-1]["event"] = ";".join(e for e in (rows[-1]["event"], tag) if e)
-    finally:
-        bar.close()
     df = pd.DataFrame(rows)
     df.attrs.update({"amp": run.amp.name, "amp_reason": run.amp.reason, "bad_steps": run.bad_steps,
                      "rollbacks": run.rollbacks, "scaler_skips": run.scaler_skips, "final_lr_scale": run.lr_scale,

@@ -107,8 +107,8 @@ def test_no_shuffle_is_sorted_descending():
 
 
 def test_resume_mid_epoch_gives_remaining_batches():
-    """train.DataStream resumes a DataLoader over the sampler mid-epoch by skipping: the epoch order is deterministic."""
-    from minimind_lib.train import DataStream
+    """checkpoint.DataStream resumes a DataLoader over the sampler mid-epoch by skipping: the epoch order is deterministic."""
+    from minimind_lib.checkpoint import DataStream
 
     lengths = _lengths()
     s = TokenBudgetBatchSampler(lengths, 1024, seed=7)
@@ -555,8 +555,8 @@ def test_token_budget_steps_are_the_dataloaders_micro_batches():
     assert all(len(step) == 3 for step in got[:-1])
     steps.set_epoch(1)
     assert sampler.epoch == 1 and [[[s["sid"] for s in mb] for mb in step] for step in steps] != got
-    # resumable: train.DataStream skips steps of the (deterministic) epoch, and set_epoch reaches the sampler
-    from minimind_lib.train import DataStream
+    # resumable: checkpoint.DataStream skips steps of the (deterministic) epoch, and set_epoch reaches the sampler
+    from minimind_lib.checkpoint import DataStream
 
     def ids(step):
         return [[s["sid"] for s in mb] for mb in step]

@@ -1,4 +1,4 @@
-"""Tests of minimind_lib.data: jsonl validation, datasets, label masks, memmap cache, collators."""
+"""Tests of minimind_lib.corpus and minimind_lib.data: jsonl validation, datasets, label masks, memmap cache, collators."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from minimind_lib import corpus as C
 from minimind_lib import data as D
 from minimind_lib.tokenizer import Tokenizer
 
@@ -62,18 +63,18 @@ def sft_path(tmp_path):
 
 def test_read_jsonl_missing_file(tmp_path):
     with pytest.raises(FileNotFoundError, match="jsonl file not found: .*nope.jsonl"):
-        D.read_jsonl(tmp_path / "nope.jsonl")
+        C.read_jsonl(tmp_path / "nope.jsonl")
 
 
 def test_read_jsonl_malformed_line_names_file_and_line(tmp_path):
     p = write_jsonl(tmp_path / "bad.jsonl", [{"text": "a"}, {"text": "b"}, '{"text": "c"', {"text": "d"}])
-    with pytest.raises(D.DataFormatError, match=r"bad\.jsonl:3: malformed JSON \(Expecting .* at column 13\)"):
-        list(D.read_jsonl(p))
+    with pytest.raises(C.DataFormatError, match=r"bad\.jsonl:3: malformed JSON \(Expecting .* at column 13\)"):
+        list(C.read_jsonl(p))
 
 
 def test_read_jsonl_skip_counts_and_warns(tmp_path):
     p = write_jsonl(tmp_path / "bad.jsonl", [{"text": "a"}, "not json", "", {"nottext": 1}, {"text": "d"}])
-    reader = D.read_jsonl(p, on_error="skip", kind="pretrain")
+    reader = C.read_jsonl(p, on_error="skip", kind="pretrain")
     with pytest.warns(UserWarning, match=r"skipped 2"):
         records = list(reader)
     assert [r["text"] for r in records] == ["a", "d"]
@@ -85,11 +86,11 @@ def test_read_jsonl_skip_counts_and_warns(tmp_path):
 def test_read_jsonl_bad_on_error_value(tmp_path):
     p = write_jsonl(tmp_path / "a.jsonl", [{"text": "a"}])
     with pytest.raises(ValueError, match="on_error='ignore' is not valid"):
-        D.read_jsonl(p, on_error="ignore")
+        C.read_jsonl(p, on_error="ignore")
 
 
 def test_read_jsonl_max_samples(pre_path):
-    assert len(list(D.read_jsonl(pre_path, max_samples=3))) == 3
+    assert len(list(C.read_jsonl(pre_path, max_samples=3))) == 3
 
 
 @pytest.mark.parametrize("record, match", [
@@ -101,7 +102,7 @@ def test_read_jsonl_max_samples(pre_path):
 ])
 def test_validate_pretrain(record, match):
     with pytest.raises(ValueError, match=match):
-        D.validate_record(record, "pretrain")
+        C.validate_record(record, "pretrain")
 
 
 @pytest.mark.parametrize("record, match", [
@@ -117,12 +118,12 @@ def test_validate_pretrain(record, match):
 ])
 def test_validate_sft(record, match):
     with pytest.raises(ValueError, match=match):
-        D.validate_record(record, "sft")
+        C.validate_record(record, "sft")
 
 
 def test_dataset_error_names_file_line_and_value(tmp_path, tok):
     p = write_jsonl(tmp_path / "s.jsonl", [conv(("user", "a"), ("assistant", "b")), conv(("bot", "a"), ("assistant", "b"))])
-    with pytest.raises(D.DataFormatError, match=r"s\.jsonl:2: conversations\[0\]\['role'\] = 'bot'"):
+    with pytest.raises(C.DataFormatError, match=r"s\.jsonl:2: conversations\[0\]\['role'\] = 'bot'"):
         D.SFTDataset(p, tok, 64)
     with pytest.warns(UserWarning, match="skipped 1"):
         ds = D.SFTDataset(p, tok, 64, on_error="skip")
@@ -257,7 +258,7 @@ def test_sft_labels_only_on_assistant_content_and_im_end(sft_path, tok):
 
 def test_assistant_mask_slow_path_and_content_with_special_text(tok):
     c = [{"role": "user", "content": "say <|im_end|> please"}, {"role": "assistant", "content": "ok <|im_start|>user"}]
-    ids, mask = D.encode_sft(tok, c)
+    ids, mask = C.encode_sft(tok, c)
     assert tok.decode(np.asarray(ids)[mask == 1].tolist()) == "ok <|im_start|>user<|im_end|>"
     # a header tokenized differently from encode("assistant\n") still masks, by decoding the role tokens
     b, e, nl = tok.bos_token_id, tok.eos_token_id, tok.encode("\n")
@@ -266,7 +267,7 @@ def test_assistant_mask_slow_path_and_content_with_special_text(tok):
             b, *header, *nl, *tok.encode("Hi"), e, *nl]
     k = len(ids2) - ids2[::-1].index(b)  # just after the second <|im_start|>
     assert tuple(ids2[k:k + len(tok.encode("assistant\n"))]) != tuple(tok.encode("assistant\n"))
-    m2 = D.assistant_mask(tok, ids2)
+    m2 = C.assistant_mask(tok, ids2)
     assert tok.decode([i for i, k in zip(ids2, m2) if k]) == "Hi<|im_end|>"
 
 
@@ -287,7 +288,7 @@ def test_sft_truncation_and_no_target_counted(tmp_path, tok):
 
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_memmap_pretrain_matches_in_memory(tmp_path, pre_path, tok, num_workers):
-    info = D.tokenize_to_memmap(pre_path, tok, tmp_path / "cache" / "pre", num_workers=num_workers,
+    info = C.tokenize_to_memmap(pre_path, tok, tmp_path / "cache" / "pre", num_workers=num_workers,
                                 chunk_size=3, progress=False)
     assert not info.reused and info.n_samples == len(CORPUS) and info.num_workers == num_workers
     for f in info.files:
@@ -306,19 +307,19 @@ def test_memmap_pretrain_matches_in_memory(tmp_path, pre_path, tok, num_workers)
 
 
 def test_memmap_chunking_matches_in_memory(tmp_path, pre_path, sft_path, tok):
-    info = D.tokenize_to_memmap(pre_path, tok, tmp_path / "pre", num_workers=0, progress=False)
+    info = C.tokenize_to_memmap(pre_path, tok, tmp_path / "pre", num_workers=0, progress=False)
     mem = D.PretrainDataset(pre_path, tok, 12, long_docs="chunk")
     for mm in (D.PretrainDataset(info.prefix, tok, 12, long_docs="chunk"), D.MemmapDataset(info.prefix, 12, "chunk")):
         assert len(mm) == len(mem) and np.array_equal(mm.lengths, mem.lengths)
         assert all(torch.equal(mem[i]["input_ids"], mm[i]["input_ids"]) for i in range(len(mem)))
         assert mm.stats.n_chunked == mem.stats.n_chunked > 0
-    sft_info = D.tokenize_to_memmap(sft_path, tok, tmp_path / "sft", kind="sft", num_workers=0, progress=False)
+    sft_info = C.tokenize_to_memmap(sft_path, tok, tmp_path / "sft", kind="sft", num_workers=0, progress=False)
     with pytest.raises(ValueError, match="is for pretraining text"):
         D.MemmapDataset(sft_info.prefix, 12, "chunk")
 
 
 def test_memmap_sft_matches_in_memory(tmp_path, sft_path, tok):
-    info = D.tokenize_to_memmap(sft_path, tok, tmp_path / "sft", kind="sft", num_workers=2, chunk_size=4, progress=False)
+    info = C.tokenize_to_memmap(sft_path, tok, tmp_path / "sft", kind="sft", num_workers=2, chunk_size=4, progress=False)
     mem, mm = D.SFTDataset(sft_path, tok, 30), D.SFTDataset(info.prefix, tok, 30)
     for i in range(len(mem)):
         assert torch.equal(mem[i]["labels"], mm[i]["labels"])
@@ -329,41 +330,41 @@ def test_memmap_sft_matches_in_memory(tmp_path, sft_path, tok):
 
 def test_memmap_reuse_and_rebuild_when_stale(tmp_path, pre_path, tok, tok2):
     prefix = tmp_path / "pre"
-    assert not D.tokenize_to_memmap(pre_path, tok, prefix, num_workers=0, progress=False).reused
-    assert D.tokenize_to_memmap(pre_path, tok, prefix, num_workers=0, progress=False).reused
-    fresh, reason = D.memmap_is_fresh(prefix, pre_path, tok2)
+    assert not C.tokenize_to_memmap(pre_path, tok, prefix, num_workers=0, progress=False).reused
+    assert C.tokenize_to_memmap(pre_path, tok, prefix, num_workers=0, progress=False).reused
+    fresh, reason = C.memmap_is_fresh(prefix, pre_path, tok2)
     assert not fresh and "tokenizer changed" in reason
-    info = D.tokenize_to_memmap(pre_path, tok2, prefix, num_workers=0, progress=False)
+    info = C.tokenize_to_memmap(pre_path, tok2, prefix, num_workers=0, progress=False)
     assert not info.reused
     with pytest.raises(ValueError, match="tokenized with another tokenizer"):
         D.PretrainDataset(prefix, tok, 32)
     with open(pre_path, "a") as f:  # the source changes: size and mtime differ
         f.write(json.dumps({"text": "one more line"}) + "\n")
     os.utime(pre_path, ns=(time.time_ns(), time.time_ns() + 10**9))
-    fresh, reason = D.memmap_is_fresh(prefix, pre_path, tok2)
+    fresh, reason = C.memmap_is_fresh(prefix, pre_path, tok2)
     assert not fresh and "source changed" in reason
-    info = D.tokenize_to_memmap(pre_path, tok2, prefix, num_workers=0, progress=False)
+    info = C.tokenize_to_memmap(pre_path, tok2, prefix, num_workers=0, progress=False)
     assert not info.reused and info.n_samples == len(CORPUS) + 1
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_memmap_malformed_line_raises_or_skips(tmp_path, tok, num_workers):
     p = write_jsonl(tmp_path / "bad.jsonl", [{"text": "ok"}] * 5 + ['{"text": '] + [{"text": "fine"}] * 3)
-    with pytest.raises(D.DataFormatError, match=r"bad\.jsonl:6: malformed JSON"):
-        D.tokenize_to_memmap(p, tok, tmp_path / "c", num_workers=num_workers, chunk_size=2, progress=False)
+    with pytest.raises(C.DataFormatError, match=r"bad\.jsonl:6: malformed JSON"):
+        C.tokenize_to_memmap(p, tok, tmp_path / "c", num_workers=num_workers, chunk_size=2, progress=False)
     assert not os.path.exists(tmp_path / "c.json") and not os.path.exists(tmp_path / "c.bin")  # nothing half-written
     assert not [f for f in os.listdir(tmp_path) if ".tmp-" in f]
     with pytest.warns(UserWarning, match="skipped 1 lines"):
-        info = D.tokenize_to_memmap(p, tok, tmp_path / "c", num_workers=num_workers, chunk_size=2,
+        info = C.tokenize_to_memmap(p, tok, tmp_path / "c", num_workers=num_workers, chunk_size=2,
                                     on_error="skip", progress=False)
     assert info.n_samples == 8 and info.n_skipped == 1 and "bad.jsonl:6" in info.skipped_examples[0]
     assert D.MemmapDataset(info.prefix, 8).stats.n_skipped == 1
 
 
 def test_memmap_max_samples(tmp_path, pre_path, tok):
-    info = D.tokenize_to_memmap(pre_path, tok, tmp_path / "c", num_workers=2, chunk_size=3, max_samples=7, progress=False)
+    info = C.tokenize_to_memmap(pre_path, tok, tmp_path / "c", num_workers=2, chunk_size=3, max_samples=7, progress=False)
     assert info.n_samples == 7 and len(D.MemmapDataset(info.prefix, 16)) == 7
-    assert not D.memmap_is_fresh(info.prefix, pre_path, tok, max_samples=None)[0]  # a capped cache is not the full one
+    assert not C.memmap_is_fresh(info.prefix, pre_path, tok, max_samples=None)[0]  # a capped cache is not the full one
 
 
 def test_memmap_refuses_big_vocab_and_missing_files(tmp_path, pre_path, tok):
@@ -371,15 +372,15 @@ def test_memmap_refuses_big_vocab_and_missing_files(tmp_path, pre_path, tok):
         vocab_size = 70_000
 
     with pytest.raises(ValueError, match="vocab_size=70000 does not fit uint16"):
-        D.tokenize_to_memmap(pre_path, Big(), tmp_path / "c")
+        C.tokenize_to_memmap(pre_path, Big(), tmp_path / "c")
     with pytest.raises(FileNotFoundError, match="jsonl file not found"):
-        D.tokenize_to_memmap(tmp_path / "none.jsonl", tok, tmp_path / "c")
+        C.tokenize_to_memmap(tmp_path / "none.jsonl", tok, tmp_path / "c")
     with pytest.raises(FileNotFoundError, match="memmap metadata not found"):
         D.MemmapDataset(tmp_path / "nothing", 16)
 
 
 def test_memmap_dataset_opens_lazily_and_pickles_without_mapping(tmp_path, pre_path, tok):
-    info = D.tokenize_to_memmap(pre_path, tok, tmp_path / "c", num_workers=0, progress=False)
+    info = C.tokenize_to_memmap(pre_path, tok, tmp_path / "c", num_workers=0, progress=False)
     mm = D.MemmapDataset(info.prefix, 32)
     assert mm._tokens is None  # nothing mapped until the first read
     first = mm[0]
@@ -434,7 +435,7 @@ def test_missing_source_names_both_options(tmp_path, tok):
 
 
 def test_memmap_dataset_seq_len_is_independent(tmp_path, pre_path, tok):
-    info = D.tokenize_to_memmap(pre_path, tok, tmp_path / "c", num_workers=0, progress=False)
+    info = C.tokenize_to_memmap(pre_path, tok, tmp_path / "c", num_workers=0, progress=False)
     mm = D.MemmapDataset(info.prefix, 8)
     ds = D.PretrainDataset(mm, tok, 16)
     assert mm.lengths.max() == 8 and ds.lengths.max() == 16 and len(ds[0]["input_ids"]) == 16

@@ -8,10 +8,11 @@ import pytest
 import torch
 
 import minimind_lib.device as device_mod
+from minimind_lib.checkpoint import DataStream
 from minimind_lib.data import pad_collate, trained_tokens
 from minimind_lib.model import MiniMindConfig, MiniMindForCausalLM, lm_loss
-from minimind_lib.train import (AmpSettings, DataStream, TrainConfig, accumulate_step, build_optimizer, evaluate,
-                                fit, forward_logits, lr_at, optimizer_step, resolve_amp, step_token_count)
+from minimind_lib.train import (AmpSettings, TrainConfig, accumulate_step, build_optimizer, evaluate, fit,
+                                forward_logits, lr_at, optimizer_step, resolve_amp, step_token_count)
 
 torch.set_num_threads(1)  # tiny matmuls: one thread is fastest, and the CI machine's 2 cores are shared
 VOCAB = 256  # a small vocabulary keeps the LM head (the biggest matmul of the smoke model) cheap
