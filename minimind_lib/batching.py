@@ -1,9 +1,6 @@
-"""Dynamic batching, built in notebook 06_dynamic_batching, in its order: token-budget batches
-(``TokenBudgetBatchSampler``), packing (``pack_sequences``, ``block_causal_mask``) and an adaptive micro-batch with OOM
-recovery (``AdaptiveBatchController``), which ``train.fit(model, steps, cfg, device=..., controller=ctl)`` feeds one
-optimizer step per item of ``steps``: flat lists of samples (``StepSamples``) or a sampler's micro-batches
-(``TokenBudgetSteps``: trained as they are while they fit the controller's ``max_tokens``, re-split once it shrank).
-"""
+"""Dynamic batching, built in notebook 06_dynamic_batching: token-budget batches (TokenBudgetBatchSampler), packing
+(pack_sequences, block_causal_mask) and an adaptive micro-batch with OOM recovery (AdaptiveBatchController), to which
+train.fit(..., controller=ctl) feeds a step per item: samples (StepSamples) or micro-batches (TokenBudgetSteps)."""
 
 from __future__ import annotations
 
@@ -42,9 +39,8 @@ def fill_batches(order: Sequence[int], lengths: Sequence[int], max_tokens: int |
 
 
 class TokenBudgetBatchSampler(Sampler[list[int]]):
-    """Batches of indices whose padded size (rows x longest row) stays within ``max_tokens``, every sample once, in an
-    order fixed by seed and epoch; a sample longer than ``longest_row = min(max_tokens, seq_len)`` counts as that long
-    (``pad_collate(samples, seq_len=sampler.longest_row)`` cuts it) and is listed in ``truncated_indices``."""
+    """Batches of indices, every sample once in an order fixed by seed + epoch, of padded size (rows x longest row) <=
+    max_tokens; longer samples count as longest_row = min(max_tokens, seq_len) (truncated_indices: pad_collate cuts)."""
 
     def __init__(self, lengths: Sequence[int] | np.ndarray, max_tokens: int, max_batch_size: int | None = None,
                  shuffle: bool = True, seed: int = 0, megabatch_mult: int = 50, seq_len: int | None = None) -> None:
@@ -162,9 +158,8 @@ def pack_sequences(samples: Sequence[Any], seq_len: int, *, pad_id: int = 0) -> 
         if ids.dim() != 1 or labels.shape != ids.shape:
             raise ValueError(f"sample {i}: packing needs 1-D input_ids and labels of one shape, got "
                              f"{tuple(ids.shape)} / {tuple(labels.shape)}")
-    stats = PackStats(n_docs=len(samples))
-    segments = stream_segments(docs, int(seq_len), stats)
-    return rows_from_segments(segments, int(seq_len), pad_id, stats), stats
+    stats = PackStats(n_docs=len(samples))  # stream_segments and rows_from_segments add their counts
+    return rows_from_segments(stream_segments(docs, int(seq_len), stats), int(seq_len), pad_id, stats), stats
 
 
 def block_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
@@ -197,16 +192,13 @@ def collate_packed(rows: list[dict], block_mask: bool = True) -> dict[str, torch
     return {**out, "attention_mask": block_causal_mask(out["doc_ids"])} if block_mask else out
 
 
-# cuBLAS and cuDNN report a full GPU as a failed workspace allocation, not as torch.OutOfMemoryError
-_OOM_PHRASES = ("out of memory", "can't allocate memory", "cannot allocate memory", "cublas_status_alloc_failed",
-                "cudnn_status_alloc_failed")
+_OOM_PHRASES = ("out of memory", "allocate memory", "status_alloc_failed")  # cuBLAS/cuDNN on a full GPU: *_ALLOC_FAILED
 
 
 def is_oom_error(err: BaseException) -> bool:
     """True for an out-of-memory error: torch.OutOfMemoryError, memory.OutOfMemory, or a RuntimeError saying so."""
-    if isinstance(err, (OutOfMemory, MemoryError, torch.OutOfMemoryError)):
-        return True
-    return isinstance(err, RuntimeError) and any(p in str(err).lower() for p in _OOM_PHRASES)
+    said_so = isinstance(err, RuntimeError) and any(p in str(err).lower() for p in _OOM_PHRASES)
+    return said_so or isinstance(err, (OutOfMemory, MemoryError, torch.OutOfMemoryError))
 
 
 def step_groups(step: Sequence) -> list[list]:
@@ -243,8 +235,7 @@ def after_oom(sizes: tuple, micro: list[list], halvings: int, max_retries: int, 
 
 
 def memory_check(frac: float, sizes: tuple, start_sizes: tuple, seq_len: int | None, seq_len_start: int | None,
-                 uncut_len: int | None, high_water: float = 0.8, low_water: float = 0.5,
-                 shrink: float = 0.8) -> tuple[str | None, tuple, int | None, int | None]:
+                 uncut_len: int | None, high_water: float = 0.8, low_water: float = 0.5, shrink: float = 0.8) -> tuple:
     """What a peak at `frac` of the budget does: (event kind or None, sizes, seq_len, uncut_len) after it."""
     if frac > high_water and max(s or 0 for s in sizes) > 1:
         return "shrink", tuple(s and max(1, int(s * shrink)) for s in sizes), seq_len, uncut_len
@@ -279,11 +270,9 @@ class BatchEvent:
 
 
 class AdaptiveBatchController:
-    """Splits each optimizer step into micro-batches whose size follows the memory budget; recovers from OOM.
-
-    The size is ``micro_batch_size`` (rows) and/or ``max_tokens`` (rows x longest row). Every ``check_every`` steps
-    ``memory_check`` compares the highest step peak with the meter's ``budget_bytes`` (a ``memory.MemoryMeter``). An
-    OOM zeroes the gradients, frees memory and retries the same samples at the sizes ``after_oom`` picks."""
+    """Splits each optimizer step into micro-batches of micro_batch_size rows and/or max_tokens (rows x longest row),
+    sized by memory: every check_every steps, memory_check compares the step peaks with meter.budget_bytes; an OOM
+    frees memory and retries the same samples at the sizes after_oom picks."""
 
     def __init__(self, micro_batch_size: int | None = None, *, max_tokens: int | None = None, meter: Any = None,
                  check_every: int = 100, high_water: float = 0.80, low_water: float = 0.50, shrink: float = 0.8,
@@ -301,8 +290,7 @@ class AdaptiveBatchController:
         self.micro_batch_size, self.max_tokens = self.start_sizes = (micro_batch_size, max_tokens)  # grow up to these
         self.meter, self.check_every, self.max_retries, self.min_seq_len = meter, check_every, max_retries, min_seq_len
         self.high_water, self.low_water, self.shrink, self.seq_cut = high_water, low_water, shrink, seq_cut
-        self.seq_len = self.seq_len_start = seq_len
-        self.uncut_len: int | None = None  # the longest row before a seq_len cut (None: not cut)
+        self.seq_len, self.seq_len_start, self.uncut_len = seq_len, seq_len, None  # uncut_len: longest row before a cut
         self.collate_fn, self.zero_grad = collate_fn or pad_collate, zero_grad
         self.step = self.samples_in = self.samples_seen = self.oom_count = self.n_truncated = self.tokens_truncated = 0
         self.events, self._window_peak = [], 0  # _window_peak: highest step peak since the last memory check
@@ -352,8 +340,7 @@ class AdaptiveBatchController:
                                "the failed attempt's partial gradients: pass zero_grad=model (or a callable)")
         target.zero_grad(set_to_none=True) if hasattr(target, "zero_grad") else target()
         gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()  # give the allocator's cached blocks back
+        torch.cuda.empty_cache()  # give the allocator's cached blocks back (a no-op without CUDA)
         self.oom_count += 1
         peak = None if self.meter is None else int(self.meter.peak())
         if self.meter is not None:
@@ -361,9 +348,8 @@ class AdaptiveBatchController:
         kind, sizes, seq_len = after_oom(self.sizes, micro, halvings, self.max_retries, self.seq_cut, self.seq_len)
         if kind == "oom_seq_cut":
             if seq_len < self.min_seq_len:
-                raise RuntimeError(f"out of memory at step {self.step} even with micro_batch_size={sizes[0]}, "
-                                   f"max_tokens={sizes[1]}: cutting the rows to {seq_len} tokens would go below "
-                                   f"min_seq_len={self.min_seq_len} ({message})")
+                raise RuntimeError(f"OOM at step {self.step} (micro_batch_size={sizes[0]}, max_tokens={sizes[1]}): "
+                                   f"rows cut to {seq_len} tokens are below min_seq_len={self.min_seq_len} ({message})")
             self.uncut_len = self.uncut_len or max(row_length(s, self.seq_len) for mb in micro for s in mb)
         (self.micro_batch_size, self.max_tokens), self.seq_len = sizes, seq_len
         self._event(kind, groups, peak, message)
@@ -376,10 +362,9 @@ class AdaptiveBatchController:
         if self.step % self.check_every or not budget or not self._window_peak:
             return
         peak, self._window_peak = self._window_peak, 0
-        kind, sizes, self.seq_len, self.uncut_len = memory_check(
+        kind, (self.micro_batch_size, self.max_tokens), self.seq_len, self.uncut_len = memory_check(
             peak / budget, self.sizes, self.start_sizes, self.seq_len, self.seq_len_start, self.uncut_len,
             self.high_water, self.low_water, self.shrink)
-        self.micro_batch_size, self.max_tokens = sizes
         if kind:
             self._event(kind, groups, peak, f"peak {peak / budget:.0%} of the budget")
 
@@ -407,8 +392,7 @@ class AdaptiveBatchController:
 
 
 class StepSamples:
-    """Per-step flat lists of `samples_per_step` samples for ``fit(..., controller=...)``, shuffled by seed + epoch
-    (DataStream resumes by skipping steps); an epoch's last, shorter step is kept."""
+    """Steps of `samples_per_step` samples, shuffled by seed + epoch (the last may be short) for fit(controller=...)."""
 
     def __init__(self, dataset: Sequence, samples_per_step: int, shuffle: bool = True, seed: int = 0) -> None:
         if int(samples_per_step) < 1 or len(dataset) == 0:
@@ -431,8 +415,7 @@ class StepSamples:
 
 
 class TokenBudgetSteps:
-    """Per-step token-budget micro-batches for ``fit(..., controller=...)``: `sampler`'s next `accum_steps` batches
-    (an epoch's last step may hold fewer), each a list of samples; deterministic per epoch, so resumable."""
+    """Steps of `accum_steps` of `sampler`'s batches (lists of samples; resumable, by epoch) for fit(controller=...)."""
 
     def __init__(self, dataset: Sequence, sampler: TokenBudgetBatchSampler, accum_steps: int) -> None:
         if int(accum_steps) < 1 or len(sampler.raw_lengths) != len(dataset):

@@ -1,6 +1,5 @@
-"""Resuming notebook 04_gradient_accumulation's loop (train.fit): RNG states, the data position (`DataStream`) and
-training checkpoints (model, optimizer, GradScaler, step, data position, controller, RNGs), written atomically and read
-with `torch.load(weights_only=True)`: tensors and plain values only. Weights alone: `model.save_checkpoint`."""
+"""Resuming notebook 04_gradient_accumulation's loop (train.fit): checkpoints of the whole training state (model,
+optimizer, GradScaler, step, data position: `DataStream`, controller, RNGs), read back with weights_only=True."""
 
 from __future__ import annotations
 
@@ -15,31 +14,27 @@ from torch import nn
 from .fileio import atomic_open
 from .model import check_state_dict
 
-FORMAT = "minimind-train-state"
-VERSION = 1
-REQUIRED_KEYS = ("format", "version", "model", "optimizer", "step", "data", "rng", "config")
+FORMAT, VERSION = "minimind-train-state", 1
 
 
 def get_rng_state() -> dict:
     """Every RNG state (torch CPU and CUDA, numpy, python) as weights_only-loadable tensors, numbers and lists."""
     np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
     py_version, py_state, py_gauss = random.getstate()
-    return {"torch_cpu": torch.get_rng_state(),
+    return {"torch_cpu": torch.get_rng_state(), "torch_cuda": torch.cuda.get_rng_state_all(),  # []: no GPU
             "numpy": {"name": str(np_name), "keys": torch.from_numpy(np_keys.astype(np.int64)), "pos": int(np_pos),
                       "has_gauss": int(np_has_gauss), "cached_gaussian": float(np_gauss)},
-            "python": {"version": py_version, "state": list(py_state), "gauss_next": py_gauss},
-            "torch_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+            "python": {"version": py_version, "state": list(py_state), "gauss_next": py_gauss}}
 
 
 def set_rng_state(state: dict) -> None:
-    """Restore the RNG states saved by get_rng_state."""
+    """Restore the RNG states saved by get_rng_state (a run resumed on fewer GPUs restores the ones it has)."""
     torch.set_rng_state(state["torch_cpu"].cpu())
     n, p = state["numpy"], state["python"]
     np.random.set_state((n["name"], n["keys"].cpu().numpy().astype(np.uint32), n["pos"], n["has_gauss"],
                          n["cached_gaussian"]))
     random.setstate((p["version"], tuple(p["state"]), p["gauss_next"]))
-    if torch.cuda.is_available():  # a run resumed on fewer GPUs restores the ones it has
-        torch.cuda.set_rng_state_all([s.cpu() for s in state["torch_cuda"][:torch.cuda.device_count()]])
+    torch.cuda.set_rng_state_all([s.cpu() for s in state["torch_cuda"][:torch.cuda.device_count()]])
 
 
 class DataStream:
@@ -86,32 +81,20 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def atomic_save(obj: Any, path: str | Path) -> Path:
-    """torch.save `obj` to `path` atomically (fileio: temp file in the same folder, fsync, os.replace)."""
-    with atomic_open(path, "wb") as f:
-        torch.save(obj, f)
-    return Path(path)
-
-
-def _config_dict(cfg: Any) -> dict:
-    """A TrainConfig (or dict, or None) as plain types, tuples as lists (as a checkpoint holds them)."""
-    config = {} if cfg is None else cfg.to_dict() if hasattr(cfg, "to_dict") else dict(cfg)
-    return {key: list(value) if isinstance(value, tuple) else value for key, value in config.items()}
-
-
 def save_training_state(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, *, cfg: Any,
                         step: int, scaler: torch.amp.GradScaler | None = None, data_state: dict | None = None,
                         controller: Any = None, extra: dict | None = None) -> Path:
     """Write a resumable training checkpoint to `path` atomically; refuses non-finite weights."""
     bad = [name for name, p in model.named_parameters() if not bool(torch.isfinite(p).all())]
     if bad:
-        raise ValueError(f"refusing to write checkpoint {path}: parameter {bad[0]!r} (and {len(bad) - 1} more) "
-                         f"holds NaN/inf")
-    return atomic_save({"format": FORMAT, "version": VERSION, "model": model.state_dict(),
-                        "optimizer": optimizer.state_dict(), "scaler": None if scaler is None else scaler.state_dict(),
-                        "step": int(step), "data": dict(data_state or {"epoch": 0, "offset": 0}),
-                        "controller": controller.state_dict() if hasattr(controller, "state_dict") else None,
-                        "rng": get_rng_state(), "config": _config_dict(cfg), "extra": dict(extra or {})}, path)
+        raise ValueError(f"refusing to write {path}: parameter {bad[0]!r} (and {len(bad) - 1} more) holds NaN/inf")
+    with atomic_open(path, "wb") as f:  # a temp file beside `path`, then os.replace: never half a checkpoint
+        torch.save({"format": FORMAT, "version": VERSION, "model": model.state_dict(),
+                    "optimizer": optimizer.state_dict(), "scaler": None if scaler is None else scaler.state_dict(),
+                    "step": int(step), "data": dict(data_state or {"epoch": 0, "offset": 0}),
+                    "controller": controller.state_dict() if hasattr(controller, "state_dict") else None,
+                    "rng": get_rng_state(), "config": cfg.to_dict(), "extra": dict(extra or {})}, f)
+    return Path(path)
 
 
 def read_training_state(path: str | Path, map_location: Any = "cpu") -> dict:
@@ -121,23 +104,20 @@ def read_training_state(path: str | Path, map_location: Any = "cpu") -> dict:
     try:
         state = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:  # truncated, not a torch file, or holds objects weights_only refuses
-        raise ValueError(f"cannot read training checkpoint {path} (corrupt or not a checkpoint): "
-                         f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}") from e
+        raise ValueError(f"cannot read training checkpoint {path} (corrupt or not a checkpoint): {e!r:.300}") from e
     found = state.get("format") if isinstance(state, dict) else type(state).__name__
     if found != FORMAT:
-        raise ValueError(f"{path}: not a training checkpoint (format={found!r}, expected {FORMAT!r}); "
-                         f"model weights load with minimind_lib.model.load_checkpoint")
-    missing = [key for key in REQUIRED_KEYS if key not in state]
-    if missing:
-        raise ValueError(f"{path}: training checkpoint lacks key {missing[0]!r}")
-    if state["version"] != VERSION:
-        raise ValueError(f"{path}: checkpoint version {state['version']} is not supported (expected {VERSION})")
+        raise ValueError(f"{path}: not a training checkpoint (format={found!r}); for weights use model.load_checkpoint")
+    missing = [key for key in ("model", "optimizer", "step", "data", "rng", "config") if key not in state]
+    if missing or state.get("version") != VERSION:
+        raise ValueError(f"{path}: unsupported training checkpoint (version {state.get('version')!r}, expected "
+                         f"{VERSION}; missing keys: {missing})")
     return state
 
 
 def check_config(saved: dict, cfg: Any, path: str | Path) -> None:
-    """Raise ValueError naming the first field (of cfg.RESUME_FIELDS, if it has them) that differs from `saved`."""
-    current, saved = _config_dict(cfg), _config_dict(saved)
+    """Raise ValueError naming the first field of cfg.RESUME_FIELDS (a TrainConfig's) that differs from `saved`."""
+    current = {} if cfg is None else cfg.to_dict()
     for name in getattr(cfg, "RESUME_FIELDS", current):
         if name in saved and name in current and saved[name] != current[name]:
             raise ValueError(f"cannot resume from {path}: config field {name!r} differs "
@@ -152,18 +132,14 @@ def load_training_state(path: str | Path, model: nn.Module, *, optimizer: torch.
     check_config(state["config"], cfg, path)  # cfg=None: nothing to compare
     check_state_dict(state["model"], model, path)
     model.load_state_dict(state["model"], strict=True)
-    if optimizer is not None:
-        try:
-            optimizer.load_state_dict(state["optimizer"])
-        except (ValueError, KeyError) as e:
-            raise ValueError(f"{path}: optimizer state does not fit this optimizer: {e}") from e
-    if scaler is not None:
-        if state["scaler"] is None:
-            raise ValueError(f"{path}: checkpoint has no GradScaler state but this run uses fp16 + GradScaler "
-                             f"(config field 'amp' differs?)")
-        scaler.load_state_dict(state["scaler"])
-    if state.get("controller") is not None and hasattr(controller, "load_state_dict"):
-        controller.load_state_dict(state["controller"])
+    if scaler is not None and state["scaler"] is None:
+        raise ValueError(f"{path}: checkpoint has no GradScaler state but this run uses one (is 'amp' fp16 now?)")
+    for key, obj in (("optimizer", optimizer), ("scaler", scaler), ("controller", controller)):
+        if hasattr(obj, "load_state_dict") and state.get(key) is not None:
+            try:
+                obj.load_state_dict(state[key])
+            except (ValueError, KeyError) as e:
+                raise ValueError(f"{path}: the {key} state does not fit this {key}: {e}") from e
     if restore_rng:
         set_rng_state(state["rng"])
     return {"step": int(state["step"]), "data": state["data"], "rng": state["rng"], "extra": state.get("extra", {})}

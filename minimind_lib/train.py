@@ -1,6 +1,5 @@
-"""The training loop built in notebooks 04_gradient_accumulation and 05_mixed_precision, tidied: same names, same order
-(the section comments name the notebook sections). `fit` adds validation, resumable checkpoints, NaN/inf steps rolled
-back at a lower LR, callbacks and the controller protocol of batching.py and distributed.py (see `fit`)."""
+"""The training loop of notebooks 04_gradient_accumulation and 05_mixed_precision, in their order (the section comments
+name their sections). `fit` adds validation, resumable checkpoints, NaN rollbacks, callbacks and controllers."""
 
 from __future__ import annotations
 
@@ -73,9 +72,8 @@ class TrainConfig:
     def from_profile(cls, profile: Any, **overrides: Any) -> "TrainConfig":
         """A config sized by a course profile (lr, steps, accumulation, eval cadence), with overrides."""
         steps = overrides.pop("max_steps", profile.train_steps)
-        base = dict(lr=profile.lr, max_steps=steps, accum_steps=profile.accum_steps,
-                    warmup_steps=max(1, steps // 10), eval_every=profile.eval_every)
-        return cls(**{**base, **overrides})
+        return cls(**{"lr": profile.lr, "max_steps": steps, "accum_steps": profile.accum_steps,
+                      "warmup_steps": max(1, steps // 10), "eval_every": profile.eval_every, **overrides})
 
     def to_dict(self) -> dict:
         """The config as plain types (stored in checkpoints, compared on resume)."""
@@ -84,10 +82,9 @@ class TrainConfig:
 
 # 1. A plain step (notebook 04, section 1) ----------------------------------------------------------------------
 def _to_device(batch: dict, device: torch.device) -> dict:
-    """Move a batch's tensors to `device`, leaving out a right-padded (B, T) attention_mask."""
-    # The model would drop that mask anyway (causal attention is exact for real tokens); checking here spares a sync.
+    """Move a batch's tensors to `device`, minus a right-padded (B, T) attention_mask (the model would drop it)."""
     mask = batch.get("attention_mask")
-    if torch.is_tensor(mask) and mask.dim() == 2 and mask.device.type == "cpu" and is_right_padded(mask):
+    if torch.is_tensor(mask) and mask.dim() == 2 and mask.device.type == "cpu" and is_right_padded(mask):  # no sync
         batch = {k: v for k, v in batch.items() if k != "attention_mask"}
     return {k: (v.to(device, non_blocking=True) if torch.is_tensor(v) else v) for k, v in batch.items()}
 
@@ -151,17 +148,14 @@ def accumulate_step(model: nn.Module, micro_batches: Sequence[dict], *, amp_dtyp
                     scaler: torch.amp.GradScaler | None = None, device: torch.device | str | None = None,
                     n_tokens_total: int | None = None, normalization: str = "token") -> dict:
     """Forward+backward over the micro-batches of one optimizer step; gradients add up in .grad (no update).
-
-    "token" (exact): each micro-batch adds lm_loss(reduction="sum") / n_tokens_total; "naive" (MiniMind's loop):
-    mean loss of each micro-batch / k. Returns loss_sum, n_tokens, loss, micro_batches, rows, padded_tokens."""
+    Returns loss_sum, n_tokens, loss (their ratio), micro_batches, rows and padded_tokens."""
     if normalization not in NORMALIZATIONS:
         raise ValueError(f"normalization={normalization!r}; choose one of {NORMALIZATIONS}")
     if not micro_batches:
         raise ValueError("accumulate_step got no micro-batches")
     device = torch.device(device) if device is not None else next(model.parameters()).device
     world, k = world_size(), len(micro_batches)
-    if n_tokens_total is None:
-        n_tokens_total = step_token_count(micro_batches, device)
+    n_tokens_total = step_token_count(micro_batches, device) if n_tokens_total is None else n_tokens_total
     if n_tokens_total <= 0:
         raise ValueError("accumulate_step: the step has no trained tokens (every shifted label is -100)")
     loss_sum = torch.zeros((), device=device, dtype=torch.float32)
@@ -172,9 +166,9 @@ def accumulate_step(model: nn.Module, micro_batches: Sequence[dict], *, amp_dtyp
             with torch.autocast(device_type=device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
                 logits = forward_logits(model, mb)
             token_loss_sum = lm_loss(logits, mb["labels"], reduction="sum")  # in fp32, outside autocast
-            if normalization == "token":  # x world: DDP averages over ranks, the sum is over all ranks' tokens
+            if normalization == "token":  # exact: / the step's tokens (x world: DDP averages over the ranks)
                 loss = token_loss_sum * (world / n_tokens_total)
-            else:
+            else:  # "naive", MiniMind's loop: each micro-batch's mean loss / k
                 loss = token_loss_sum / max(trained_tokens(mb["labels"]), 1) / k
             (scaler.scale(loss) if scaler is not None else loss).backward()
         loss_sum += token_loss_sum.detach().float()
@@ -206,22 +200,18 @@ class AmpSettings:
     reason: str
 
     @property
-    def name(self) -> str:
-        """'bf16', 'fp16' or 'fp32'."""
+    def name(self) -> str:  # 'bf16', 'fp16' or 'fp32'
         return {torch.bfloat16: "bf16", torch.float16: "fp16", None: "fp32"}[self.dtype]
 
 
 def resolve_amp(amp: str, device: torch.device | str) -> AmpSettings:
-    """Autocast dtype, GradScaler and why, for `amp` ("auto"|"bf16"|"fp16"|"off") on `device`.
-
-    auto: native bf16 (CUDA, CPU) -> bf16, no scaler (fp32's exponent range); older CUDA -> fp16 + GradScaler; else
-    fp32 (emulated 16-bit math is slower, notebook 05 measures it; MPS: autocast coverage varies, opt in)."""
+    """Autocast dtype, GradScaler and why, for `amp` ("auto"|"bf16"|"fp16"|"off") on `device` (notebook 05 measures)."""
     device = torch.device(device)
     if amp not in AMP_MODES:
         raise ValueError(f"amp={amp!r}; choose one of {AMP_MODES}")
     if amp == "off":
         return AmpSettings(None, False, "amp='off': fp32")
-    if amp == "bf16":
+    if amp == "bf16":  # bf16 has fp32's exponent range: no GradScaler needed
         if not device_module.bf16_supported(device):
             raise ValueError(f"amp='bf16' requested but {device} does not support bf16 (try amp='fp16' or 'auto')")
         return AmpSettings(torch.bfloat16, False, "amp='bf16' requested")
@@ -270,14 +260,12 @@ class _Run:
     def __init__(self, model: nn.Module, data: Iterable, cfg: TrainConfig, device: torch.device, controller: Any,
                  meter: Any, is_main_process: bool) -> None:
         self.model, self.cfg, self.device, self.controller = model.to(device).train(), cfg, device, controller
-        self.amp = resolve_amp(cfg.amp, device)
+        self.amp, self.stream, self.is_main_process = resolve_amp(cfg.amp, device), DataStream(data), is_main_process
         self.optimizer, self.scaler = build_optimizer(model, cfg, device), make_scaler(self.amp, device)
-        self.stream, self.is_main_process = DataStream(data), is_main_process
         self.ckpt_path = Path(cfg.ckpt_dir) / "last.pt" if cfg.ckpt_dir else None
-        if meter is None:  # a controller measures with its own meter (its budget); else a free one on CUDA
-            meter = getattr(controller, "meter", None) if controller is not None else (
-                MemoryMeter(device) if device.type == "cuda" else None)
-        self.meter = meter
+        self.meter = meter if meter is not None else getattr(controller, "meter", None)  # a controller's: its budget
+        if self.meter is None and controller is None and device.type == "cuda":
+            self.meter = MemoryMeter(device)  # a free one, for the peak memory of each step
         self.step = self.bad_in_row = self.bad_steps = self.rollbacks = self.scaler_skips = 0
         self.lr_scale, self.data_exhausted, self.dropped_micro_batches = 1.0, False, 0
 
@@ -301,8 +289,7 @@ class _Run:
         return "ckpt"
 
     def restore(self, path: str | Path, resume: bool) -> None:
-        """Load a training state: weights, optimizer, scaler, controller, step, data position, RNGs; to resume a run,
-        check its config and take its counters too (a NaN rollback keeps this run's)."""
+        """Load a training state; resuming a run also checks its config and takes its counters (a rollback does not)."""
         info = load_training_state(path, self.model, optimizer=self.optimizer, scaler=self.scaler,
                                    controller=self.controller, cfg=self.cfg if resume else None,
                                    map_location=self.device, restore_rng=False)
@@ -313,20 +300,19 @@ class _Run:
         set_rng_state(info["rng"])  # last: re-creating the data iterator may draw from the RNG (a shuffling loader)
 
 
-def _accumulate(run: _Run, events: list[str]) -> dict:
-    """Forward+backward of one optimizer step: cfg.accum_steps micro-batches, or the controller's split."""
+def _accumulate(run: _Run, events: list[str]) -> dict | None:
+    """Forward+backward of one step: cfg.accum_steps micro-batches or the controller's split; None: the data ran out."""
+    items: list = []  # the step's micro-batches, or its one item of samples for the controller to split
+    try:
+        while len(items) < (run.cfg.accum_steps if run.controller is None else 1):
+            items.append(run.stream.next())
+    except StopIteration:  # a spent generator: stop, and say what was left over
+        run.data_exhausted, run.dropped_micro_batches = True, len(items)
+        return None
     if run.controller is None:
-        micro: list = []
-        try:
-            while len(micro) < run.cfg.accum_steps:
-                micro.append(run.stream.next())
-        except StopIteration:
-            run.dropped_micro_batches = len(micro)
-            raise
-        return run.accumulate_fn(micro)
-    takes_zero_grad = "zero_grad" in inspect.signature(run.controller.run_step).parameters
-    kw = {"zero_grad": run.model} if takes_zero_grad else {}  # it clears the grads itself on OOM retries
-    stats = dict(run.controller.run_step(run.stream.next(), run.accumulate_fn, **kw))
+        return run.accumulate_fn(items)
+    kw = {"zero_grad": run.model} if "zero_grad" in inspect.signature(run.controller.run_step).parameters else {}
+    stats = dict(run.controller.run_step(items[0], run.accumulate_fn, **kw))  # zero_grad: clears grads on OOM
     events += [str(e) for e in stats.pop("events", []) or []]
     return stats
 
@@ -342,15 +328,13 @@ def _train_step(run: _Run) -> dict | None:
     with run.meter.track(run.model, run.optimizer) if hasattr(run.meter, "track") else contextlib.nullcontext():
         if run.meter is not None:
             run.meter.reset_peak()
-        try:
-            stats = _accumulate(run, events)
-        except StopIteration:  # a spent generator: stop, and say what was left over
-            run.data_exhausted = True
+        stats = _accumulate(run, events)
+        if stats is None:
             return None
         loss = stats["loss_sum"] / max(stats["n_tokens"], 1)
         if not math.isfinite(loss):  # a NaN/inf loss poisons every gradient: drop the step, keep the scaler out
             run.optimizer.zero_grad(set_to_none=True)
-            grad_norm, skipped = float("nan"), True
+            grad_norm, skipped = math.nan, True
             events.append("nonfinite_loss_skipped")
         else:
             scale_before = run.scaler.get_scale() if run.scaler is not None else None
@@ -364,10 +348,10 @@ def _train_step(run: _Run) -> dict | None:
                 events.append("nonfinite_grad_skipped")
     step_time = time.perf_counter() - t0
     row = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": stats["n_tokens"],
-           "tokens_per_s": stats["n_tokens"] / step_time if step_time > 0 else float("nan"),
-           "peak_memory_bytes": float("nan") if run.meter is None else float(run.meter.peak()),
-           "step_time": step_time, "skipped": skipped, "val_loss": float("nan"), "val_ppl": float("nan"),
-           "scale": run.scaler.get_scale() if run.scaler is not None else float("nan"), "events": events}
+           "tokens_per_s": stats["n_tokens"] / step_time if step_time > 0 else math.nan,
+           "peak_memory_bytes": math.nan if run.meter is None else float(run.meter.peak()),
+           "step_time": step_time, "skipped": skipped, "val_loss": math.nan, "val_ppl": math.nan,
+           "scale": run.scaler.get_scale() if run.scaler is not None else math.nan, "events": events}
     row.update({key: value for key, value in stats.items()  # controller extras: micro_batch_size, seq_len, ...
                 if key not in row and key not in ("loss_sum", "n_tokens") and isinstance(value, (int, float, str))})
     return row
@@ -375,30 +359,27 @@ def _train_step(run: _Run) -> dict | None:
 
 def _count_bad_step(run: _Run, row: dict) -> None:
     """Advance the step; after cfg.max_bad_steps skipped steps in a row, roll back to last.pt at a lower LR."""
-    cfg, events = run.cfg, row["events"]
     run.bad_in_row = run.bad_in_row + 1 if row["skipped"] else 0
     run.bad_steps += int(row["skipped"])
-    if run.bad_in_row < cfg.max_bad_steps:
+    if run.bad_in_row < run.cfg.max_bad_steps:
         run.step += 1
         return
-    if run.rollbacks >= cfg.max_rollbacks:
+    if run.rollbacks >= run.cfg.max_rollbacks:
         raise RuntimeError(f"training diverged: {run.bad_in_row} non-finite steps in a row at step {row['step']} "
                            f"after {run.rollbacks} rollbacks (lr scale {run.lr_scale:g})")
-    run.rollbacks, run.bad_in_row, run.lr_scale = run.rollbacks + 1, 0, run.lr_scale * cfg.lr_backoff
+    run.rollbacks, run.bad_in_row, run.lr_scale = run.rollbacks + 1, 0, run.lr_scale * run.cfg.lr_backoff
     if run.ckpt_path is not None and run.ckpt_path.exists():
         run.restore(run.ckpt_path, resume=False)
-        events.append(f"rollback_to_step_{run.step}")
+        row["events"].append(f"rollback_to_step_{run.step}")
     else:
-        events.append("no_checkpoint_to_roll_back_to")
+        row["events"].append("no_checkpoint_to_roll_back_to")
         run.step += 1
-    events.append(f"lr_scale={run.lr_scale:g}")
+    row["events"].append(f"lr_scale={run.lr_scale:g}")
 
 
 def _evaluate_and_save(run: _Run, row: dict, val_batches: Iterable[dict] | None) -> None:
     """After a good step: validation every cfg.eval_every steps and at the end, a checkpoint every cfg.ckpt_every."""
     cfg, done = run.cfg, run.step
-    if row["skipped"]:
-        return
     if val_batches is not None and ((cfg.eval_every and done % cfg.eval_every == 0) or done == cfg.max_steps):
         ev = evaluate(run.model, val_batches, device=run.device, amp_dtype=run.amp.dtype)
         row["val_loss"], row["val_ppl"] = ev["loss"], ev["ppl"]
@@ -410,8 +391,7 @@ def fit(model: nn.Module, train_batches_or_loader: Iterable, cfg: TrainConfig, *
         val_batches: Iterable[dict] | None = None, controller: Any = None, meter: Any = None,
         callbacks: Sequence[Callable[[int, dict], Any]] | None = None,
         resume_from: str | Path | None = None, is_main_process: bool = True) -> pd.DataFrame:
-    """Train `model` for cfg.max_steps optimizer steps; one metrics row per step (a DataFrame; attrs: run counters).
-
+    """Train `model` for cfg.max_steps optimizer steps: a DataFrame, one metrics row per step (attrs: run counters).
     The data yields collated micro-batches, cfg.accum_steps per step, or, with a controller, each step's samples:
     `controller.run_step(item, accumulate_fn[, zero_grad=model])` splits them. cb(step, row): "stop" ends training."""
     run = _Run(model, train_batches_or_loader, cfg, torch.device(device), controller, meter, is_main_process)
@@ -421,12 +401,10 @@ def fit(model: nn.Module, train_batches_or_loader: Iterable, cfg: TrainConfig, *
         seed_everything(cfg.seed)
     rows, stop, t_start = [], False, time.perf_counter()
     with tqdm(total=cfg.max_steps, initial=run.step, disable=not cfg.progress, desc="train") as bar:
-        while run.step < cfg.max_steps and not stop:
-            row = _train_step(run)
-            if row is None:
-                break
+        while run.step < cfg.max_steps and not stop and (row := _train_step(run)) is not None:  # None: data ran out
             _count_bad_step(run, row)
-            _evaluate_and_save(run, row, val_batches)
+            if not row["skipped"]:
+                _evaluate_and_save(run, row, val_batches)
             row["wall_time"] = time.perf_counter() - t_start
             row["event"] = ";".join(row.pop("events"))
             rows.append(row)
@@ -442,7 +420,6 @@ def fit(model: nn.Module, train_batches_or_loader: Iterable, cfg: TrainConfig, *
                      "rollbacks": run.rollbacks, "scaler_skips": run.scaler_skips, "final_lr_scale": run.lr_scale,
                      "data_exhausted": run.data_exhausted, "dropped_micro_batches": run.dropped_micro_batches})
     if run.data_exhausted:
-        warnings.warn(f"training data ran out after {run.step} of {cfg.max_steps} steps; "
-                      f"{run.dropped_micro_batches} micro-batch(es) of an incomplete step were not trained",
-                      stacklevel=2)
+        warnings.warn(f"training data ran out after {run.step} of {cfg.max_steps} steps; {run.dropped_micro_batches} "
+                      f"micro-batch(es) of an incomplete step were not trained", stacklevel=2)
     return df

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from minimind_lib.data import pad_collate
-from minimind_lib.checkpoint import (DataStream, atomic_save, get_rng_state, load_training_state, read_training_state,
+from minimind_lib.checkpoint import (DataStream, get_rng_state, load_training_state, read_training_state,
                                      save_training_state, set_rng_state)
 from minimind_lib.model import MiniMindConfig, MiniMindForCausalLM, load_checkpoint, save_checkpoint
 from minimind_lib.train import TrainConfig, build_optimizer, fit
@@ -163,13 +163,6 @@ def test_never_writes_a_nan_checkpoint(tmp_path):
     with pytest.raises(ValueError, match="refusing to write.*'model.norm.weight'.*NaN"):
         save_training_state(tmp_path / "nan.pt", model, opt, cfg=cfg(), step=1)
     assert not (tmp_path / "nan.pt").exists() and not list(tmp_path.iterdir())
-
-
-def test_atomic_save_round_trips_and_leaves_no_temp_file(tmp_path):
-    path = atomic_save({"x": torch.arange(3), "n": 2}, tmp_path / "sub" / "obj.pt")
-    assert path == tmp_path / "sub" / "obj.pt" and [p.name for p in path.parent.iterdir()] == ["obj.pt"]
-    loaded = torch.load(path, weights_only=True)
-    assert torch.equal(loaded["x"], torch.arange(3)) and loaded["n"] == 2
 
 
 def test_data_stream_sets_the_epoch_of_a_sampler_and_resumes_mid_epoch():
