@@ -1,7 +1,8 @@
-"""Command-line twins of notebooks 07 and 08: `python -m minimind_lib pretrain|sft|chat ...`.
+"""The command line of notebooks 07_pretrain and 08_sft: `python -m minimind_lib info|pretrain|sft|chat ...`.
 
-They call the same `minimind_lib.pipeline` functions as the notebooks (no copy of the training logic):
+It calls the same functions as the notebooks (pipeline.pretrain/sft, generate.chat; no copy of their logic):
 
+  info     [--profile NAME] [--compact]   the device report and the selected profile, as JSON
   pretrain --data PATH --out DIR [--config minimind2-small] [--max-tokens N] [--accum K]
            [--amp auto|bf16|fp16|off] [--steps N] [--profile NAME] [--resume]
   sft      --data PATH --out DIR --init PRETRAIN_DIR [same options]
@@ -17,6 +18,11 @@ import argparse
 import json
 import os
 import sys
+
+from .device import device_report
+from .generate import chat
+from .pipeline import load_run, pretrain, sft
+from .profiles import get_profile
 
 EXIT_BAD_INPUT = 2
 
@@ -52,13 +58,17 @@ def _add_train_args(p: argparse.ArgumentParser, stage: str) -> None:
 
 
 def _train_kwargs(args: argparse.Namespace) -> dict:
-    kw = dict(profile=args.profile, max_tokens=args.max_tokens, accum=args.accum, amp=args.amp, steps=args.steps,
-              lr=args.lr, seq_len=args.seq_len, val_data=args.val_data, cache_dir=args.cache,
-              val_batches=args.val_batches, eval_every=args.eval_every,
-              max_samples=args.max_samples, device=args.device, resume=args.resume, overwrite=args.overwrite,
-              stop_after=args.stop_after, seed=args.seed, progress=not args.no_progress,
-              log=lambda msg: print(msg, file=sys.stderr, flush=True))
-    return kw
+    return dict(profile=args.profile, max_tokens=args.max_tokens, accum_steps=args.accum, amp=args.amp,
+                steps=args.steps, lr=args.lr, seq_len=args.seq_len, val_data=args.val_data, cache_dir=args.cache,
+                val_batches=args.val_batches, eval_every=args.eval_every, max_samples=args.max_samples,
+                device=args.device, resume=args.resume, overwrite=args.overwrite, stop_after=args.stop_after,
+                seed=args.seed, progress=not args.no_progress, log=lambda msg: print(msg, file=sys.stderr, flush=True))
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    """Print the device report (with the selected profile) as JSON."""
+    print(json.dumps(device_report(profile=get_profile(args.profile)), indent=None if args.compact else 2))
+    return 0
 
 
 def _print_summary(result) -> None:
@@ -71,8 +81,6 @@ def _print_summary(result) -> None:
 
 def cmd_pretrain(args: argparse.Namespace) -> int:
     """Pretrain into --out and print the run's summary as JSON."""
-    from .pipeline import pretrain
-
     result = pretrain(args.data, args.out, config=args.config, tokenizer_dir=args.tokenizer, **_train_kwargs(args))
     _print_summary(result)
     return 0
@@ -80,8 +88,6 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
 
 def cmd_sft(args: argparse.Namespace) -> int:
     """Fine-tune --init on chat data into --out and print the run's summary as JSON."""
-    from .pipeline import sft
-
     result = sft(args.data, args.out, init=args.init, **_train_kwargs(args))
     _print_summary(result)
     return 0
@@ -89,9 +95,6 @@ def cmd_sft(args: argparse.Namespace) -> int:
 
 def cmd_chat(args: argparse.Namespace) -> int:
     """One answer with --prompt; otherwise a REPL when stdin is a terminal, else one answer per stdin line."""
-    from .chat_widget import chat
-    from .pipeline import load_run
-
     model, tok, _ = load_run(args.ckpt, device=args.device)
     opts = dict(temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens, seed=args.seed)
     if args.prompt is not None:
@@ -123,7 +126,11 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def add_subcommands(subparsers) -> None:
-    """Register pretrain, sft and chat on an argparse subparsers object (minimind_lib.__main__ calls this)."""
+    """Register info, pretrain, sft and chat on an argparse subparsers object."""
+    i = subparsers.add_parser("info", help="print device and profile facts as JSON")
+    i.add_argument("--profile", default=None, help="profile name (default: MINIMIND_PROFILE or auto)")
+    i.add_argument("--compact", action="store_true", help="one-line JSON")
+    i.set_defaults(func=cmd_info)
     p = subparsers.add_parser("pretrain", help="pretrain a MiniMind model on a {'text'} jsonl file")
     _add_train_args(p, "pretrain")
     p.set_defaults(func=cmd_pretrain)
@@ -142,7 +149,7 @@ def add_subcommands(subparsers) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """A parser with only this module's subcommands (for `python -m minimind_lib.cli`)."""
+    """The parser of `python -m minimind_lib` (one subcommand per task)."""
     parser = argparse.ArgumentParser(prog="python -m minimind_lib", description=__doc__.splitlines()[0])
     add_subcommands(parser.add_subparsers(dest="command", required=True))
     return parser

@@ -1,8 +1,12 @@
-"""Sampling text from a MiniMind model: greedy, temperature, top-k, top-p, with a KV cache."""
+"""Sampling text from a MiniMind model (notebook 03_model) and chatting with it (notebook 08_sft).
+
+Greedy, temperature, top-k and top-p sampling with a KV cache; `chat_reply` answers a conversation in MiniMind's
+chat template. The CLI's chat command, notebook 08 and the chat box (chat_widget) all call these functions.
+"""
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Sequence
 
 import torch
 import torch.nn as nn
@@ -35,18 +39,10 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_p: float = 1
 
 
 @torch.no_grad()
-def generate_ids(
-    model: nn.Module,
-    input_ids: torch.Tensor,
-    max_new_tokens: int = 64,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    seed: int | None = None,
-    use_cache: bool = True,
-    stop_token_ids: Iterable[int] | None = None,
-    stream: Callable[[int], None] | None = None,
-) -> torch.LongTensor:
+def generate_ids(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int = 64, temperature: float = 1.0,
+                 top_p: float = 1.0, top_k: int = 0, seed: int | None = None, use_cache: bool = True,
+                 stop_token_ids: Iterable[int] | None = None,
+                 stream: Callable[[int], None] | None = None) -> torch.LongTensor:
     """Extend input_ids (T,) or (1, T) by up to max_new_tokens; returns only the new ids, shape (1, n_new).
 
     Stops after emitting a stop token (included in the result). `stream(token_id)` is called per new token.
@@ -65,9 +61,7 @@ def generate_ids(
     if max_pos is not None:
         max_new_tokens = min(max_new_tokens, max_pos - input_ids.shape[1])
     stops = set(stop_token_ids or ())
-    generator = None
-    if seed is not None:
-        generator = torch.Generator(device=device).manual_seed(seed)
+    generator = None if seed is None else torch.Generator(device=device).manual_seed(seed)
     was_training = model.training
     model.eval()
     try:
@@ -114,20 +108,10 @@ class TextStream:
             self.on_text(piece)
 
 
-def generate(
-    model: nn.Module,
-    tokenizer,
-    prompt: str,
-    max_new_tokens: int = 64,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    seed: int | None = None,
-    use_cache: bool = True,
-    stop_token_ids: Iterable[int] | None = None,
-    stream: Callable[[str], None] | None = None,
-    add_bos: bool = True,
-) -> str:
+def generate(model: nn.Module, tokenizer, prompt: str, max_new_tokens: int = 64, temperature: float = 1.0,
+             top_p: float = 1.0, top_k: int = 0, seed: int | None = None, use_cache: bool = True,
+             stop_token_ids: Iterable[int] | None = None, stream: Callable[[str], None] | None = None,
+             add_bos: bool = True) -> str:
     """Continue `prompt` and return the decoded new text (greedy when temperature == 0).
 
     stop_token_ids defaults to the tokenizer's eos token. `stream(text_piece)` receives the text as it grows
@@ -144,3 +128,46 @@ def generate(
     new = generate_ids(model, torch.tensor(ids, dtype=torch.long), max_new_tokens, temperature, top_p, top_k,
                        seed, use_cache, stop_token_ids, stream_cb)
     return tokenizer.decode(new[0].tolist(), skip_special_tokens=True)
+
+
+def chat_prompt_ids(tokenizer, messages: Sequence[dict]) -> list[int]:
+    """The chat template's token ids for `messages`, ending with '<|im_start|>assistant\\n' (the model's turn)."""
+    ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, str):
+        ids = tokenizer.encode(ids, add_special_tokens=False)
+    return list(ids)
+
+
+def chat_reply(model: torch.nn.Module, tokenizer, messages: Sequence[dict], *, temperature: float = 0.7,
+               top_p: float = 0.9, top_k: int = 0, max_new_tokens: int = 128, seed: int | None = None,
+               stream: Callable[[str], None] | None = None, details: dict | None = None) -> str:
+    """The assistant's answer to a conversation (list of {"role", "content"}), stopping at <|im_end|>.
+
+    seed fixes the sampling (same seed, same answer); temperature 0 is greedy. `stream(piece)` receives the
+    text as it grows, whole characters only (a Chinese character spans several byte tokens). A `details` dict
+    is filled with n_tokens (generated) and ended (True when the model closed its turn with <|im_end|>).
+    """
+    if not messages or messages[-1].get("role") != "user":
+        raise ValueError("messages must end with a 'user' turn (the question to answer)")
+    on_token = TextStream(tokenizer, stream)
+    emitted = on_token.ids
+    prompt_ids = torch.tensor(chat_prompt_ids(tokenizer, messages), dtype=torch.long)
+    new = generate_ids(model, prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                       top_k=top_k, seed=seed, stop_token_ids=[tokenizer.eos_token_id], stream=on_token)
+    if details is not None:
+        details.update(n_tokens=len(emitted), ended=bool(emitted) and emitted[-1] == tokenizer.eos_token_id)
+    return tokenizer.decode(new[0].tolist(), skip_special_tokens=True).strip()
+
+
+def chat(prompt: str, model: torch.nn.Module, tokenizer, *, history: list[dict] | None = None,
+         system: str | None = None, **kwargs) -> str:
+    """One answer to `prompt`; with `history` (a list that is extended in place) the conversation goes on."""
+    messages = [] if history is None else history
+    if system and not messages:
+        messages.append({"role": "system", "content": system})
+    turn = messages + [{"role": "user", "content": prompt}]
+    answer = chat_reply(model, tokenizer, turn, **kwargs)
+    if history is not None:
+        history.append({"role": "user", "content": prompt})
+        history.append({"role": "assistant", "content": answer})
+    return answer

@@ -1,28 +1,23 @@
-"""The course's two training runs, pretraining and SFT, as functions: used by notebooks 07/08 and by the CLI.
+"""The runs of notebooks 07_pretrain and 08_sft as two functions, `pretrain` and `sft`, for the command line.
 
-`pretrain(...)` and `sft(...)` build everything a run needs from their arguments (or a profile):
-tokenizer -> jsonl streamed once into a memmap cache -> token-budget batches -> model -> TrainConfig,
-then call `train.fit` (the one training loop) and write a *run directory*:
+A run is the sequence of steps notebook 07 writes in cells, each a function here, in the same order:
+1. data: each jsonl tokenized once into a memmap cache (`memmap_dataset`, `validation_batches`; SFT holds out 5%);
+2. steps: the token-budget sampler's micro-batches, `accum_steps` per optimizer step (`train_steps`);
+3. the adaptive batch controller of notebook 06 (`make_controller`): on CUDA it checks memory every CHECK_EVERY
+   steps (above 80% of the device the micro-batch shrinks, below 50% it grows back); on every device an OOM halves
+   the micro-batch and retries the same samples, then cuts seq_len: no sample is lost;
+4. the loop, `train.fit`, after a validation pass before training, with sample generations (`Recorder`);
+5. the run directory: config.json (what the run was), model.pth (a bare state dict with MiniMind's key names),
+   tokenizer/, metrics.csv (a row per step), last.pt (the state for --resume), samples.jsonl, summary.json.
 
-    OUT/config.json   what the run was: model config, train config, data, batching, tokenizer fingerprint
-    OUT/model.pth     the weights as a bare state dict with MiniMind's key names (loads in MiniMind's own code)
-    OUT/tokenizer/    a copy of the tokenizer the model was trained with
-    OUT/metrics.csv   one row per optimizer step (loss, lr, tokens, tokens/s, memory, val loss, ...)
-    OUT/last.pt       the full training state (model, optimizer, RNGs, data position) for --resume
-    OUT/samples.jsonl greedy sample generations at intervals during the run
-    OUT/summary.json  steps, tokens, wall time, tokens/s, peak memory, final validation loss
-
-Under `torchrun --nproc_per_node=N -m minimind_lib pretrain|sft ...` (WORLD_SIZE > 1) the same run trains with
-DistributedDataParallel (distributed.fit_distributed: per step, the losses and gradients of one process on the same
-data, as long as the run stays within one epoch of the data); rank 0 tokenizes the cache first and alone writes OUT.
-
-Nothing in OUT is overwritten by a run that fails its checks: every input (data path, tokenizer, vocab,
-init checkpoint, resume checkpoint and its config) is validated before the first byte is written.
+Under `torchrun --nproc_per_node=N -m minimind_lib pretrain|sft ...` the same run trains with DDP (notebook 09):
+rank 0 tokenizes the cache first and alone writes OUT; the controller is not used (every rank would have to agree
+on each change of size). Every input is validated before OUT is written.
 """
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 import hashlib
 import json
 import math
@@ -30,38 +25,79 @@ import os
 import shutil
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+import pandas as pd
 import torch
 
+from . import distributed as D
+from .batching import AdaptiveBatchController, TokenBudgetBatchSampler, TokenBudgetSteps
+from .checkpoint import check_config, read_training_state
+from .corpus import tokenize_to_memmap, tokenizer_fingerprint
+from .data import PretrainDataset, SFTDataset, pad_collate
+from .device import get_device, total_memory_bytes
 from .fileio import atomic_write_text
+from .generate import chat_reply, generate
+from .memory import MemoryMeter
+from .model import MiniMindConfig, MiniMindForCausalLM, load_checkpoint, save_checkpoint
+from .paths import DATA_DIR, REPO_DIR
+from .profiles import Profile, get_profile
+from .tokenizer import check_vocab, load_tokenizer
+from .train import TrainConfig, evaluate, fit, resolve_amp
 
-RUN_FORMAT = "minimind-run"
-RUN_VERSION = 1
-CONFIG_FILE = "config.json"
-MODEL_FILE = "model.pth"
-TOKENIZER_DIR = "tokenizer"
-METRICS_FILE = "metrics.csv"
-STATE_FILE = "last.pt"
-SAMPLES_FILE = "samples.jsonl"
-SUMMARY_FILE = "summary.json"
+RUN_FORMAT, RUN_VERSION = "minimind-run", 1
+CONFIG_FILE, MODEL_FILE, TOKENIZER_DIR, METRICS_FILE = "config.json", "model.pth", "tokenizer", "metrics.csv"
+STATE_FILE, SAMPLES_FILE, SUMMARY_FILE = "last.pt", "samples.jsonl", "summary.json"
 RUN_FILES = (CONFIG_FILE, MODEL_FILE, METRICS_FILE, STATE_FILE, SAMPLES_FILE, SUMMARY_FILE)
-
-# Fixed prompts for the sample generations during pretraining (one per language of the bundled corpus).
-DEFAULT_SAMPLE_PROMPTS = ("ROMEO.\n", "床前明月光，")
-# Settings that fix the order and shape of the data: resuming with a different value would silently train on
-# different batches than the saved position refers to, so it is an error.
+DEFAULT_SAMPLE_PROMPTS = ("ROMEO.\n", "床前明月光，")  # one per language of the bundled corpus
+# Settings that fix the order and shape of the data: resuming with another value would train on other batches
+# than the saved position refers to, so it is an error.
 RESUME_KEYS = ("stage", "model", "data", "val_data", "seq_len", "max_tokens", "val_batches", "max_samples", "batching",
                "long_docs", "init")
-# A pretraining document longer than seq_len is split into rows (no text thrown away); a conversation is one
-# sample, truncated (counted), never split.
+# A pretraining document longer than seq_len is split into rows (no text lost); a conversation is truncated (counted).
 LONG_DOCS_BY_KIND = {"pretrain": "chunk", "sft": "truncate"}
-SMALL_FILE_BYTES = 32 * 2**20  # below this, tokenize in this process (worker start-up costs more than it saves)
+SMALL_FILE_BYTES = 32 * 2**20  # below this, tokenize in this process (starting workers costs more than it saves)
+CHECK_EVERY = 10  # optimizer steps between the controller's memory checks (CUDA)
 
 
 class RunError(ValueError):
     """A run cannot start: bad input, or it would overwrite or contradict an existing run directory."""
+
+
+@dataclass
+class RunSettings:
+    """Every option of a run: the keyword arguments of pretrain/sft (None: the profile's value)."""
+
+    stage: str
+    data: Any = None  # jsonl file (default data/pretrain.jsonl or data/sft.jsonl)
+    out: Any = None  # the run directory
+    profile: Any = None  # a Profile or its name (default: the selected one)
+    config: str | None = None  # model preset (pretrain; SFT takes the init run's model)
+    tokenizer_dir: Any = None
+    init: Any = None  # SFT: the pretraining run directory to start from
+    seq_len: int | None = None
+    max_tokens: int | None = None  # padded tokens per micro-batch
+    accum_steps: int | None = None  # micro-batches per optimizer step
+    steps: int | None = None
+    lr: float | None = None
+    eval_every: int | None = None
+    ckpt_every: int | None = None
+    max_samples: int | None = None  # None: the profile's cap; 0: every sample
+    val_data: Any = None
+    val_batches: int = 4
+    amp: str = "auto"  # "auto" | "bf16" | "fp16" | "off"
+    device: Any = None
+    cache_dir: Any = None  # memmap cache (default: beside OUT)
+    resume: bool = False
+    overwrite: bool = False
+    stop_after: int | None = None  # stop (with a checkpoint) after N steps of the `steps` schedule
+    sample_every: int | None = None
+    sample_prompts: Sequence[str] | None = None
+    seed: int = 1337
+    progress: bool = True
+    log: Callable[[str], None] = print
 
 
 @dataclass
@@ -71,37 +107,23 @@ class RunResult:
     out_dir: Path
     model: torch.nn.Module
     tokenizer: Any
-    metrics: Any  # pandas.DataFrame, one row per optimizer step (the whole run, across resumes)
+    metrics: pd.DataFrame  # one row per optimizer step (the whole run, across resumes); step -1: before training
     config: dict
     summary: dict
     samples: list[dict] = field(default_factory=list)
 
 
-# --------------------------------------------------------------------------------------------- small helpers
-
-
-def default_runs_dir() -> Path:
-    """Where notebooks put their runs: the repository's git-ignored runs/ folder (MINIMIND_RUNS_DIR overrides)."""
-    from .paths import REPO_DIR
-
-    return Path(os.environ.get("MINIMIND_RUNS_DIR", REPO_DIR / "runs"))
-
-
+# ----------------------------------------------------------------------------------- run directories and sizes
 def run_dir_for(profile_name: str, stage: str) -> Path:
-    """runs/<profile>/<stage>: the run directory notebook 07 writes and notebook 08 starts from."""
-    return default_runs_dir() / profile_name / stage
-
-
-def _write_json(path: Path, obj: Any) -> None:
-    atomic_write_text(path, json.dumps(obj, indent=2, ensure_ascii=False, default=str) + "\n")
+    """runs/<profile>/<stage> (MINIMIND_RUNS_DIR overrides runs/): the run notebook 07 writes and 08 starts from."""
+    return Path(os.environ.get("MINIMIND_RUNS_DIR", REPO_DIR / "runs")) / profile_name / stage
 
 
 def read_run_config(run_dir: str | Path) -> dict:
     """OUT/config.json of a run directory, validated; FileNotFoundError/RunError name the file."""
-    run_dir = Path(run_dir)
+    run_dir, path = Path(run_dir), Path(run_dir) / CONFIG_FILE
     if not run_dir.is_dir():
         raise FileNotFoundError(f"run directory not found: {run_dir}")
-    path = run_dir / CONFIG_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: {run_dir} is not a run directory (it needs {CONFIG_FILE}, "
                                 f"{MODEL_FILE} and {TOKENIZER_DIR}/)")
@@ -110,8 +132,8 @@ def read_run_config(run_dir: str | Path) -> dict:
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise RunError(f"{path}: not valid JSON ({e})") from None
     if not isinstance(cfg, dict) or cfg.get("format") != RUN_FORMAT:
-        raise RunError(f"{path}: not a minimind run config (format={cfg.get('format') if isinstance(cfg, dict) else None!r}, "
-                       f"expected {RUN_FORMAT!r})")
+        found = cfg.get("format") if isinstance(cfg, dict) else None
+        raise RunError(f"{path}: not a minimind run config (format={found!r}, expected {RUN_FORMAT!r})")
     for key in ("model", "train", "tokenizer", "stage"):
         if key not in cfg:
             raise RunError(f"{path}: lacks key {key!r}")
@@ -120,17 +142,11 @@ def read_run_config(run_dir: str | Path) -> dict:
 
 def load_run(run_dir: str | Path, device: torch.device | str | None = None):
     """(model, tokenizer, config) of a run directory; clear errors for a missing/corrupt checkpoint or vocab mismatch."""
-    from .corpus import tokenizer_fingerprint
-    from .model import MiniMindConfig, MiniMindForCausalLM, load_checkpoint
-    from .tokenizer import check_vocab, load_tokenizer
-
     run_dir = Path(run_dir)
     cfg = read_run_config(run_dir)
-    model_path = run_dir / MODEL_FILE
-    if not model_path.is_file():
-        raise FileNotFoundError(f"checkpoint not found: {model_path} (did the run in {run_dir} finish?)")
-    tok = load_tokenizer(run_dir / TOKENIZER_DIR)
-    mcfg = MiniMindConfig.from_dict(cfg["model"])
+    if not (run_dir / MODEL_FILE).is_file():
+        raise FileNotFoundError(f"checkpoint not found: {run_dir / MODEL_FILE} (did the run in {run_dir} finish?)")
+    tok, mcfg = load_tokenizer(run_dir / TOKENIZER_DIR), MiniMindConfig.from_dict(cfg["model"])
     try:
         check_vocab(tok, mcfg.vocab_size)
     except ValueError as e:
@@ -140,84 +156,97 @@ def load_run(run_dir: str | Path, device: torch.device | str | None = None):
         raise RunError(f"{run_dir / TOKENIZER_DIR}: this tokenizer is not the one the model was trained with "
                        f"(fingerprint {tokenizer_fingerprint(tok)}, {CONFIG_FILE} says {fp})")
     model = MiniMindForCausalLM(mcfg)
-    load_checkpoint(model_path, model)  # weights_only=True; names the file on a corrupt or mismatched checkpoint
-    if device is not None:
-        model.to(device)
-    model.eval()
-    return model, tok, cfg
+    load_checkpoint(run_dir / MODEL_FILE, model)  # weights_only=True; names the file when corrupt or mismatched
+    return (model if device is None else model.to(device)).eval(), tok, cfg
 
 
-def _cache_prefix(cache_dir: Path, data_path: Path, kind: str) -> Path:
-    """Memmap prefix for a source file: its stem plus a hash of its absolute path (two data.jsonl never collide)."""
-    h = hashlib.sha1(str(data_path.resolve()).encode()).hexdigest()[:8]
-    return cache_dir / f"{data_path.stem}.{kind}.{h}"
+def plan_run(profile: Any = None, stage: str = "pretrain") -> dict:
+    """Sizes of a stage's run as the profile gives them (steps, accum_steps, max_tokens, eval_every), and why."""
+    if stage not in ("pretrain", "sft"):
+        raise ValueError(f"stage={stage!r}; choose 'pretrain' or 'sft'")
+    prof = profile if isinstance(profile, Profile) else get_profile(profile)
+    plan = {"steps": prof.pretrain_steps if stage == "pretrain" else prof.sft_steps, "accum_steps": prof.accum_steps,
+            "max_tokens": prof.max_tokens, "eval_every": prof.eval_every}
+    reason = (f"profile {prof.name}: {plan['steps']} steps x {plan['accum_steps']} micro-batches x "
+              f"{plan['max_tokens']} tokens = {plan['steps'] * plan['accum_steps'] * plan['max_tokens']:,} padded "
+              f"tokens at most (the command line runs the same sizes)")
+    return {**plan, "profile": prof.name, "stage": stage, "reason": reason}
 
 
-def _memmap_dataset(path: Path, tok, kind: str, seq_len: int, cache_dir: Path, max_samples: int | None,
-                    progress: bool):
-    """Tokenize `path` once into the memmap cache (reused while the file and tokenizer are unchanged); the dataset."""
-    from .corpus import tokenize_to_memmap
-    from .data import PretrainDataset, SFTDataset
-
-    prefix = _cache_prefix(cache_dir, path, kind)
-    workers = 0 if path.stat().st_size < SMALL_FILE_BYTES else None
-    info = tokenize_to_memmap(path, tok, prefix, kind=kind, num_workers=workers, max_samples=max_samples,
-                              progress=progress)
-    cls = PretrainDataset if kind == "pretrain" else SFTDataset
-    ds = cls(str(prefix), tok, seq_len, vocab_size=tok.vocab_size, long_docs=LONG_DOCS_BY_KIND[kind])
-    if len(ds) == 0:
-        raise RunError(f"{path}: no samples to train on")
-    return ds, info
+def plan_kwargs(plan: dict) -> dict:
+    """The keyword arguments of pretrain/sft that a plan sets."""
+    return {k: plan[k] for k in ("steps", "accum_steps", "max_tokens", "eval_every")}
 
 
-def _loader(ds, max_tokens: int, seq_len: int, pad_id: int, seed: int, shuffle: bool = True,
-            pin_memory: bool = False):
-    """A DataLoader of token-budget micro-batches (rows x longest row <= max_tokens), padded to the longest row.
+def resolve_settings(s: RunSettings, prof: Profile) -> RunSettings:
+    """The settings with every size filled in from the profile (arguments and command-line flags override it)."""
+    pre = s.stage == "pretrain"
+    seq_len, eval_every = int(s.seq_len or prof.seq_len), int(s.eval_every or prof.eval_every)
+    steps = int(s.steps or (prof.pretrain_steps if pre else prof.sft_steps))
+    val_data = s.val_data
+    if pre and val_data is None and (DATA_DIR / "pretrain_val.jsonl").is_file():
+        val_data = DATA_DIR / "pretrain_val.jsonl"
+    r = dataclasses.replace(
+        s, seq_len=seq_len, max_tokens=int(s.max_tokens or max(prof.max_tokens, seq_len)), steps=steps,
+        accum_steps=int(s.accum_steps or prof.accum_steps), eval_every=eval_every, val_data=val_data,
+        lr=float(s.lr or (prof.lr if pre else prof.lr / 2)),  # SFT: gentler, it starts from a trained model
+        ckpt_every=int(s.ckpt_every or eval_every),
+        max_samples=prof.max_samples if s.max_samples is None else (s.max_samples or None),
+        data=Path(s.data) if s.data is not None else DATA_DIR / f"{s.stage}.jsonl",
+        sample_every=int(s.sample_every if s.sample_every is not None else max(eval_every, -(-steps // 4))),
+        sample_prompts=tuple(DEFAULT_SAMPLE_PROMPTS if s.sample_prompts is None else s.sample_prompts))
+    if r.max_tokens < r.seq_len:
+        raise RunError(f"max_tokens={r.max_tokens} is smaller than seq_len={r.seq_len}: a full-length sample would "
+                       f"not fit one micro-batch; raise --max-tokens or lower the sequence length")
+    return r
 
-    pin_memory=True (for a CUDA device) collates into page-locked memory, so the loop's non_blocking copies to
-    the GPU overlap with compute instead of waiting for a staging copy."""
-    from torch.utils.data import DataLoader
 
-    from .batching import TokenBudgetBatchSampler
-    from .data import pad_collate
-
-    if max_tokens < seq_len:
-        raise RunError(f"max_tokens={max_tokens} is smaller than seq_len={seq_len}: a full-length sample would not "
-                       f"fit one micro-batch; raise --max-tokens or lower the sequence length")
-    sampler = TokenBudgetBatchSampler(ds.lengths, max_tokens, shuffle=shuffle, seed=seed, seq_len=seq_len)
-    return DataLoader(ds, batch_sampler=sampler, collate_fn=functools.partial(pad_collate, pad_id=pad_id),
-                      pin_memory=pin_memory), sampler
+def train_config(s: RunSettings) -> TrainConfig:
+    """The loop's TrainConfig for resolved settings (warmup: a tenth of the steps)."""
+    return TrainConfig(lr=s.lr, max_steps=s.steps, accum_steps=s.accum_steps, warmup_steps=max(1, s.steps // 10),
+                       amp=s.amp, eval_every=s.eval_every, ckpt_every=s.ckpt_every, ckpt_dir=str(s.out), seed=s.seed,
+                       progress=s.progress)
 
 
-def _val_batches(ds, max_tokens: int, seq_len: int, pad_id: int, n_batches: int) -> list[dict]:
-    """The first n_batches token-budget batches of the validation set, in a fixed order (the same every eval)."""
-    loader, _ = _loader(ds, max_tokens, seq_len, pad_id, seed=0, shuffle=False)
-    out = []
-    for b in loader:
-        out.append(b)
-        if len(out) >= n_batches:
-            break
-    return out
+# ----------------------------------------------------------------------------------- checks before writing
+def _inputs(s: RunSettings, prof: Profile) -> tuple[Any, MiniMindConfig, str | None, dict | None]:
+    """(tokenizer, model config, preset, SFT's initial weights): every input checked before anything is written."""
+    if s.out is None:
+        raise RunError("an output directory is needed (--out DIR)")
+    if not s.data.is_file():
+        raise FileNotFoundError(f"data file not found: {s.data}" + (" (a directory, not a jsonl file)"
+                                                                    if s.data.is_dir() else ""))
+    if s.val_data is not None and not Path(s.val_data).is_file():
+        raise FileNotFoundError(f"validation data file not found: {s.val_data}")
+    if s.stage == "sft":
+        if s.init is None:
+            raise RunError("sft needs --init DIR, the pretraining run directory to start from")
+        init_model, tok, init_cfg = load_run(s.init)
+        return tok, init_model.config, init_cfg.get("model_preset"), init_model.state_dict()
+    tok, preset = load_tokenizer(s.tokenizer_dir), s.config or prof.model
+    mcfg = MiniMindConfig.preset(preset)
+    try:
+        check_vocab(tok, mcfg.vocab_size)
+    except ValueError as e:
+        raise RunError(f"tokenizer/model vocab mismatch: {e}") from None
+    return tok, mcfg, preset, None
 
 
 def _check_out_dir(out: Path, resume: bool, overwrite: bool) -> None:
     """Refuse to clobber an existing run unless resuming it or told to overwrite."""
-    existing = [name for name in RUN_FILES if (out / name).exists()]
     if resume:
-        if not (out / STATE_FILE).is_file():
-            raise FileNotFoundError(f"--resume: no training state {out / STATE_FILE} to resume from")
-        if not (out / CONFIG_FILE).is_file():
-            raise FileNotFoundError(f"--resume: {out / CONFIG_FILE} not found; {out} is not a run directory")
+        for name, what in ((STATE_FILE, "no training state"), (CONFIG_FILE, "no run config")):
+            if not (out / name).is_file():
+                raise FileNotFoundError(f"--resume: {what} {out / name} to resume from; {out} is not a run to resume")
         return
+    existing = [name for name in RUN_FILES if (out / name).exists()]
     if existing and not overwrite:
         raise RunError(f"{out} already holds a run ({', '.join(existing)}); pass --resume to continue it, "
                        f"--overwrite to replace it, or choose another --out")
 
 
-def _check_resume(out: Path, run_cfg: dict, train_cfg) -> dict:
+def _check_resume(out: Path, run_cfg: dict, cfg: TrainConfig, dinfo: Any) -> dict:
     """Compare the new run's settings with the saved run before anything is written; returns the saved state."""
-    from .checkpoint import check_config, read_training_state
-
     saved = read_run_config(out)
     for key in RESUME_KEYS:
         if saved.get(key) != run_cfg.get(key):
@@ -228,415 +257,311 @@ def _check_resume(out: Path, run_cfg: dict, train_cfg) -> dict:
                        f"{run_cfg['tokenizer']})")
     state = read_training_state(out / STATE_FILE)  # clear error for a missing or corrupt last.pt
     try:
-        check_config(state["config"], train_cfg, out / STATE_FILE)
+        check_config(state["config"], cfg, out / STATE_FILE)
     except ValueError as e:
         raise RunError(str(e) + "; use the run's settings (see its config.json) or start a new --out") from None
+    saved_ddp = "world_size" in (state.get("controller") or {})  # a DDP state counts global steps
+    if saved_ddp != (dinfo is not None):
+        raise RunError(f"cannot resume {out}: it was trained {'with' if saved_ddp else 'without'} torchrun (data "
+                       f"parallel), this run is {'with' if dinfo else 'without'}; its data position means something "
+                       f"else (resuming with another number of ranks >= 2 works)")
     return state
 
 
-class _RunHooks:
-    """fit callbacks: checkpoint at chosen steps, stop early, sample generations, running metrics.csv.
-
-    fit writes last.pt when (done steps) % cfg.ckpt_every == 0; to also checkpoint exactly at the last step
-    and at `stop_after`, the hook lowers cfg.ckpt_every to 1 for the one step that must be saved
-    (ckpt_every is not a resume field, so the saved config is unaffected).
-    """
-
-    def __init__(self, cfg, start_step: int, stop_after: int | None, sample_every: int, sample_fn, on_ckpt):
-        self.cfg, self.every = cfg, cfg.ckpt_every
-        self.targets = {cfg.max_steps} | ({stop_after} if stop_after else set())
-        self.stop_after, self.sample_every, self.sample_fn, self.on_ckpt = stop_after, sample_every, sample_fn, on_ckpt
-        self.rows: list[dict] = []
-        self._arm(start_step + 1)
-
-    def _arm(self, next_done: int) -> None:
-        self.cfg.ckpt_every = 1 if next_done in self.targets else self.every
-
-    def __call__(self, step: int, row: dict):
-        self.rows.append(dict(row))
-        done = step + (0 if row.get("skipped") else 1)
-        if "ckpt" in str(row.get("event", "")).split(";"):
-            self.on_ckpt(self.rows)
-        if self.sample_fn is not None and not row.get("skipped") and self.sample_every and done % self.sample_every == 0:
-            self.sample_fn(done)
-        self._arm(done + 1)
-        if self.stop_after is not None and done >= self.stop_after:
-            return "stop"
-        return None
+def _run_config(s: RunSettings, prof: Profile, preset: str | None, mcfg: MiniMindConfig, tok: Any,
+                device: torch.device, dinfo: Any) -> dict:
+    """What config.json says the run is."""
+    amp = resolve_amp(s.amp, device)
+    return {"format": RUN_FORMAT, "version": RUN_VERSION, "stage": s.stage, "profile": prof.name,
+            "model_preset": preset, "model": mcfg.to_dict(), "train": train_config(s).to_dict(),
+            "tokenizer": {"fingerprint": tokenizer_fingerprint(tok), "vocab_size": int(tok.vocab_size)},
+            "data": str(s.data.resolve()), "val_data": str(Path(s.val_data).resolve()) if s.val_data else None,
+            "seq_len": s.seq_len, "max_tokens": s.max_tokens, "val_batches": int(s.val_batches),
+            "max_samples": s.max_samples, "batching": "token_budget", "long_docs": LONG_DOCS_BY_KIND[s.stage],
+            "init": str(Path(s.init).resolve()) if s.init else None, "device": str(device),
+            "amp": {"mode": s.amp, "resolved": amp.name, "reason": amp.reason}, "torch": torch.__version__,
+            **({"world_size": dinfo.world_size} if dinfo is not None else {})}
 
 
-def _summary(df, cfg_dict: dict, wall: float, device: torch.device, profile: str | None) -> dict:
-    """Headline numbers of the run from its own metrics (nothing here is estimated)."""
-    import pandas as pd
+# ----------------------------------------------------------------------------------- 1. data  2. steps  3. controller
+def memmap_dataset(path: Path, tok: Any, kind: str, seq_len: int, cache_dir: Path, max_samples: int | None = None,
+                   progress: bool = False):
+    """(dataset, MemmapInfo): `path` tokenized once into the memmap cache (reused while file and tokenizer agree).
 
-    val = df["val_loss"].dropna() if "val_loss" in df else pd.Series(dtype=float)
-    peak = df["peak_memory_bytes"].max() if "peak_memory_bytes" in df and len(df) else float("nan")
-    train_time = float(df["step_time"].sum()) if "step_time" in df and len(df) else float("nan")
-    tokens = int(df["tokens"].sum()) if len(df) else 0
-    return {
-        "stage": cfg_dict["stage"], "profile": profile, "device": str(device),
-        "model_preset": cfg_dict.get("model_preset"), "steps": int(df["step"].max()) + 1 if len(df) else 0,
-        "tokens": tokens, "wall_time_s": round(wall, 2), "train_time_s": round(train_time, 2),
-        "tokens_per_s": round(tokens / train_time, 1) if train_time and train_time > 0 else float("nan"),
-        "tokens_per_s_wall": round(tokens / wall, 1) if wall > 0 else float("nan"),
-        "peak_memory_bytes": None if peak != peak else int(peak),
-        "initial_val_loss": float(val.iloc[0]) if len(val) else None,
-        "final_val_loss": float(val.iloc[-1]) if len(val) else None,
-        "final_val_ppl": float(math.exp(min(val.iloc[-1], 50))) if len(val) else None,
-        "final_train_loss": float(df["loss"].iloc[-1]) if len(df) else None,
-        "amp": df.attrs.get("amp"),
-    }
+    The cache's name is the file's stem plus a hash of its absolute path, so two data.jsonl never collide."""
+    digest = hashlib.sha1(str(Path(path).resolve()).encode()).hexdigest()[:8]
+    prefix = Path(cache_dir) / f"{Path(path).stem}.{kind}.{digest}"
+    workers = 0 if Path(path).stat().st_size < SMALL_FILE_BYTES else None
+    info = tokenize_to_memmap(path, tok, prefix, kind=kind, num_workers=workers, max_samples=max_samples,
+                              progress=progress)
+    cls = PretrainDataset if kind == "pretrain" else SFTDataset
+    ds = cls(str(prefix), tok, seq_len, vocab_size=tok.vocab_size, long_docs=LONG_DOCS_BY_KIND[kind])
+    if len(ds) == 0:
+        raise RunError(f"{path}: no samples to train on")
+    return ds, info
 
 
-# --------------------------------------------------------------------------------------------- planning a run
-
-def plan_run(profile: Any = None, stage: str = "pretrain") -> dict:
-    """Sizes of a stage's run (steps, accum, max_tokens, eval_every) as the profile gives them, and why."""
-    from .profiles import get_profile
-
-    if stage not in ("pretrain", "sft"):
-        raise ValueError(f"stage={stage!r}; choose 'pretrain' or 'sft'")
-    prof = profile if hasattr(profile, "pretrain_steps") else get_profile(profile)
-    steps = prof.pretrain_steps if stage == "pretrain" else prof.sft_steps
-    plan = {"steps": steps, "accum": prof.accum_steps, "max_tokens": prof.max_tokens, "eval_every": prof.eval_every}
-    reason = (f"profile {prof.name}: {plan['steps']} steps x {plan['accum']} micro-batches x {plan['max_tokens']} "
-              f"tokens = {plan['steps'] * plan['accum'] * plan['max_tokens']:,} padded tokens at most "
-              f"(the command line runs the same sizes)")
-    return {**plan, "profile": prof.name, "stage": stage, "reason": reason}
+def validation_batches(ds: Any, max_tokens: int, seq_len: int, pad_id: int, n_batches: int) -> list[dict]:
+    """The first n_batches token-budget batches of a validation set, unshuffled (the same at every evaluation)."""
+    sampler = TokenBudgetBatchSampler(ds.lengths, max_tokens, shuffle=False, seq_len=seq_len)
+    return [pad_collate([ds[i] for i in b], pad_id=pad_id) for b in sampler.batches()[:n_batches]]
 
 
-def plan_kwargs(plan: dict) -> dict:
-    """The keyword arguments of pretrain/sft that a plan sets."""
-    return {k: plan[k] for k in ("steps", "accum", "max_tokens", "eval_every")}
+class LengthSubset(torch.utils.data.Dataset):
+    """The samples `indices` of a dataset, keeping its `lengths` (token-budget batching needs them) and stats."""
 
-
-# --------------------------------------------------------------------------------------------- the shared run
-
-
-def _run(stage: str, **kwargs: Any) -> RunResult:
-    """One run; under torchrun (WORLD_SIZE > 1) the same run with DistributedDataParallel, one rank per process.
-
-    Every rank builds the same model and validates the same inputs; each trains its share of every global
-    optimizer step (distributed.fit_distributed: the losses and gradients of one process on the same data), and
-    rank 0 alone writes the run directory. The process group is torn down at the end, also on error.
-    """
-    from . import distributed as D
-
-    _, world, _ = D.env_ranks()
-    if world <= 1:
-        return _run_impl(stage, dinfo=None, **kwargs)
-    device = kwargs.get("device")
-    backend = "gloo" if device is not None and torch.device(device).type != "cuda" else None
-    dinfo = D.setup(backend=backend, device=device)
-    try:
-        return _run_impl(stage, dinfo=dinfo, **kwargs)
-    finally:
-        D.teardown()
-
-
-def _run_impl(stage: str, *, dinfo, data, out, profile, config, max_tokens, accum, amp, steps, resume, overwrite, lr,
-              seq_len, val_data, val_batches, cache_dir, device, tokenizer_dir, init, stop_after, sample_every,
-              sample_prompts, ckpt_every, max_samples, progress, seed, measure_memory, eval_every,
-              log: Callable[[str], None]) -> RunResult:
-    import pandas as pd
-
-    from . import distributed as D
-
-    from .corpus import tokenizer_fingerprint
-    from .device import get_device
-    from .generate import generate
-    from .model import MiniMindConfig, MiniMindForCausalLM, save_checkpoint
-    from .paths import DATA_DIR
-    from .profiles import get_profile
-    from .tokenizer import check_vocab, load_tokenizer
-    from .train import TrainConfig, fit, resolve_amp
-
-    prof = profile if hasattr(profile, "pretrain_steps") else get_profile(profile)
-    if dinfo is not None:  # data parallel: this rank's device (cuda:LOCAL_RANK under NCCL, the CPU under gloo)
-        device = dinfo.device
-    else:
-        device = torch.device(device) if device is not None else get_device()
-    main = dinfo is None or dinfo.is_main  # the one process that logs and writes files
-    if not main:
-        log = lambda msg: None  # noqa: E731
-    kind = "pretrain" if stage == "pretrain" else "sft"
-    default_data = DATA_DIR / ("pretrain.jsonl" if kind == "pretrain" else "sft.jsonl")
-    data = Path(data) if data is not None else default_data
-    if out is None:
-        raise RunError("an output directory is needed (--out DIR)")
-    out = Path(out)
-    if not data.is_file():
-        raise FileNotFoundError(f"data file not found: {data}" + (" (a directory, not a jsonl file)" if data.is_dir() else ""))
-    if kind == "pretrain" and val_data is None and (DATA_DIR / "pretrain_val.jsonl").is_file():
-        val_data = DATA_DIR / "pretrain_val.jsonl"
-    if val_data is not None and not Path(val_data).is_file():
-        raise FileNotFoundError(f"validation data file not found: {val_data}")
-
-    # Model, tokenizer and (SFT) initial weights: all loaded and checked before anything is written.
-    init_cfg = None
-    if stage == "sft":
-        if init is None:
-            raise RunError("sft needs --init DIR, the pretraining run directory to start from")
-        init_model, tok, init_cfg = load_run(init)
-        mcfg = init_model.config
-        preset = init_cfg.get("model_preset")
-    else:
-        tok = load_tokenizer(tokenizer_dir)
-        preset = config or prof.model
-        mcfg = MiniMindConfig.preset(preset)
-        init_model = None
-    try:
-        check_vocab(tok, mcfg.vocab_size)
-    except ValueError as e:
-        raise RunError(f"tokenizer/model vocab mismatch: {e}") from None
-    _check_out_dir(out, resume, overwrite)
-
-    seq_len = int(seq_len or prof.seq_len)
-    max_tokens = int(max_tokens or max(prof.max_tokens, seq_len))
-    accum = int(accum or prof.accum_steps)
-    n_steps = int(steps or (prof.pretrain_steps if stage == "pretrain" else prof.sft_steps))
-    base_lr = float(lr or (prof.lr if stage == "pretrain" else prof.lr / 2))  # SFT: gentler, it starts trained
-    max_samples = prof.max_samples if max_samples is None else (max_samples or None)
-    eval_every = int(eval_every or prof.eval_every)
-    cfg = TrainConfig(lr=base_lr, max_steps=n_steps, accum_steps=accum, warmup_steps=max(1, n_steps // 10),
-                      amp=amp, eval_every=eval_every, ckpt_every=int(ckpt_every or eval_every),
-                      ckpt_dir=str(out), seed=seed, progress=progress)
-    amp_settings = resolve_amp(amp, device)
-    fp = tokenizer_fingerprint(tok)
-    run_cfg = {
-        "format": RUN_FORMAT, "version": RUN_VERSION, "stage": stage, "profile": prof.name,
-        "model_preset": preset, "model": mcfg.to_dict(), "train": cfg.to_dict(),
-        "tokenizer": {"fingerprint": fp, "vocab_size": int(tok.vocab_size)},
-        "data": str(data.resolve()), "val_data": str(Path(val_data).resolve()) if val_data else None,
-        "seq_len": seq_len, "max_tokens": max_tokens, "val_batches": int(val_batches), "max_samples": max_samples,
-        "batching": "token_budget", "long_docs": LONG_DOCS_BY_KIND[kind], "init": str(Path(init).resolve()) if init else None,
-        "device": str(device), "amp": {"mode": amp, "resolved": amp_settings.name, "reason": amp_settings.reason},
-        "torch": torch.__version__,
-    }
-    if dinfo is not None:
-        run_cfg["world_size"] = dinfo.world_size
-    saved_state = _check_resume(out, run_cfg, cfg) if resume else None
-    if saved_state is not None:  # a DDP checkpoint counts global steps and holds the controller's counters
-        saved_ddp = isinstance(saved_state.get("controller"), dict) and "world_size" in saved_state["controller"]
-        if saved_ddp != (dinfo is not None):
-            raise RunError(f"cannot resume {out}: it was trained {'with' if saved_ddp else 'without'} torchrun "
-                           f"(data parallel), this run is {'with' if dinfo is not None else 'without'}; its data "
-                           f"position means something else (resuming with another number of ranks >= 2 works)")
-
-    # Data: stream each jsonl once into a memmap cache (constant memory for MiniMind's 1.6 GB file).
-    cache_dir = Path(cache_dir) if cache_dir is not None else out.parent / "cache"
-    if not main:  # data parallel: rank 0 tokenizes into the cache, the other ranks then open it
-        D.barrier()
-        progress = False
-    ds, info = _memmap_dataset(data, tok, kind, seq_len, cache_dir, max_samples, progress)
-    log(f"{stage}: {data.name}: {ds.stats.summary()} ({'cache reused' if info.reused else f'tokenized in {info.seconds:.1f} s'})")
-    val_list = None
-    if val_data is not None:
-        vds, _ = _memmap_dataset(Path(val_data), tok, kind, seq_len, cache_dir, None, progress)
-        val_list = _val_batches(vds, max_tokens, seq_len, tok.pad_token_id, val_batches)
-    elif stage == "sft":
-        # No separate SFT validation file: hold out a fixed 5% of the conversations (never trained on).
-        from torch.utils.data import Subset
-
-        n_val = max(1, len(ds) // 20)
-        order = torch.randperm(len(ds), generator=torch.Generator().manual_seed(seed)).tolist()
-        val_idx, train_idx = sorted(order[:n_val]), sorted(order[n_val:])
-        vsub = _LengthSubset(ds, val_idx)
-        ds = _LengthSubset(ds, train_idx)
-        val_list = _val_batches(vsub, max_tokens, seq_len, tok.pad_token_id, val_batches)
-        run_cfg["sft_val_holdout"] = n_val
-    if dinfo is not None and main:
-        D.barrier()  # the caches are complete: the other ranks may open them
-    if dinfo is None:
-        loader, sampler = _loader(ds, max_tokens, seq_len, tok.pad_token_id, seed=seed,
-                                  pin_memory=torch.device(device).type == "cuda")
-    else:
-        if max_tokens < seq_len:
-            _loader(ds, max_tokens, seq_len, tok.pad_token_id, seed=seed)  # raises its RunError
-        # The same token-budget micro-batches as _loader (same seed), `accum` per global step, dealt to the ranks.
-        loader = D.distributed_step_source(ds, max_tokens, accum, seq_len=seq_len, seed=seed, info=dinfo)
-        sampler = loader.base
-    run_cfg["data_stats"] = {**ds.stats.to_dict(), "batches_per_epoch": len(sampler)} if hasattr(ds, "stats") else None
-
-    torch.manual_seed(seed)  # the same seed, the same initial weights
-    model = MiniMindForCausalLM(mcfg)
-    if init_model is not None:
-        model.load_state_dict(init_model.state_dict())
-        del init_model
-
-    # From here on the run directory is written (by rank 0 alone under torchrun).
-    if main:
-        out.mkdir(parents=True, exist_ok=True)
-        if not resume:
-            for name in RUN_FILES:  # --overwrite: a stale last.pt/metrics must not survive into the new run
-                if (out / name).exists():
-                    (out / name).unlink()
-        _write_json(out / CONFIG_FILE, run_cfg)
-        tok_tmp = out / f".{TOKENIZER_DIR}.tmp-{os.getpid()}"
-        tok.save(tok_tmp)
-        if (out / TOKENIZER_DIR).exists():
-            shutil.rmtree(out / TOKENIZER_DIR)
-        os.replace(tok_tmp, out / TOKENIZER_DIR)
-
-    prior = pd.DataFrame()
-    start_step = 0
-    if resume:
-        start_step = int(saved_state["step"])
-        if (out / METRICS_FILE).is_file():
-            prior = pd.read_csv(out / METRICS_FILE)
-            prior = prior[prior["step"] < start_step]
-        log(f"{stage}: resuming {out} at step {start_step} of {n_steps}")
-    prior_tokens = int(prior["tokens"].sum()) if len(prior) else 0
-    samples: list[dict] = []
-    if (out / SAMPLES_FILE).is_file() and resume:
-        samples = [json.loads(l) for l in (out / SAMPLES_FILE).read_text(encoding="utf-8").splitlines() if l.strip()]
-        samples = [s for s in samples if s["step"] <= start_step]
-
-    def frame(rows: list[dict]) -> "pd.DataFrame":
-        df = pd.concat([prior, pd.DataFrame(rows)], ignore_index=True) if rows else prior.copy()
-        if len(df):
-            df["tokens_seen"] = df["tokens"].cumsum()
-        return df
-
-    def on_ckpt(rows: list[dict]) -> None:  # metrics.csv always matches the last checkpoint
-        if main:
-            frame(rows).to_csv(out / METRICS_FILE, index=False)
-
-    prompts = list(sample_prompts if sample_prompts is not None else DEFAULT_SAMPLE_PROMPTS)
-
-    def sample_fn(done: int) -> None:
-        for p in prompts:
-            if stage == "sft":
-                from .chat_widget import chat_reply
-
-                text = chat_reply(model, tok, [{"role": "user", "content": p}], temperature=0.0, max_new_tokens=24)
-            else:
-                text = generate(model, tok, p, max_new_tokens=24, temperature=0.0)
-            samples.append({"step": done, "prompt": p, "text": text})
-        atomic_write_text(out / SAMPLES_FILE, "".join(json.dumps(s, ensure_ascii=False) + "\n" for s in samples))
-
-    if sample_every is None:  # a handful of sample points: generating token by token is slow on a CPU
-        sample_every = max(eval_every, -(-n_steps // 4))
-    hooks = _RunHooks(cfg, start_step, stop_after, int(sample_every),
-                      sample_fn if prompts and main else None, on_ckpt)
-    log(f"{stage}: {n_steps} steps x {accum} micro-batches of <= {max_tokens} tokens (seq_len {seq_len}), "
-        f"lr {base_lr:g}, {amp_settings.reason}, device {device}"
-        + (f", {dinfo.world_size} ranks ({dinfo.backend})" if dinfo is not None else ""))
-    meter = None
-    if measure_memory and device.type == "cpu" and dinfo is None:
-        from .memory import MemoryMeter
-
-        # On CPU live tensors are counted by a dispatch mode, which slows every op: measure every k-th step only
-        # (with token budgets the steps are alike). CUDA's allocator counts for free: fit measures every step.
-        meter = _EveryNthMeter(MemoryMeter(device), every=max(1, n_steps // 25))
-    t0 = time.perf_counter()
-    if not resume and val_list and main:
-        # The validation loss before any training: the baseline every later value is compared with
-        # (about ln(vocab) = ln 6400 = 8.76 for a fresh model, whose predictions are nearly uniform).
-        from .train import evaluate
-
-        model.to(device)
-        ev = evaluate(model, val_list, device=device, amp_dtype=amp_settings.dtype)
-        prior = pd.DataFrame([{"step": -1, "loss": float("nan"), "lr": 0.0, "tokens": 0, "wall_time": 0.0,
-                               "val_loss": ev["loss"], "val_ppl": ev["ppl"], "event": "eval_before_training"}])
-        log(f"{stage}: validation loss before training {ev['loss']:.3f} (perplexity {ev['ppl']:.0f})")
-    if dinfo is None:
-        df = fit(model, loader, cfg, device=device, val_batches=val_list, callbacks=[hooks], meter=meter,
-                 resume_from=out / STATE_FILE if resume else None)
-    else:
-        df = D.fit_distributed(model, loader, cfg, info=dinfo, val_batches=val_list, pad_id=tok.pad_token_id,
-                               callbacks=[hooks], resume_from=out / STATE_FILE if resume else None)
-    wall = time.perf_counter() - t0
-    cfg.ckpt_every = hooks.every
-    attrs = dict(df.attrs)
-    full = frame(hooks.rows)
-    full.attrs.update(attrs)
-    if len(full):
-        full["tokens_seen"] = full["tokens"].cumsum()
-
-    if main:
-        save_checkpoint(model, out / MODEL_FILE)  # bare state dict, MiniMind's key names
-        full.to_csv(out / METRICS_FILE, index=False)
-    summary = _summary(full, run_cfg, wall, device, prof.name)
-    if dinfo is not None:
-        summary["world_size"] = dinfo.world_size
-    if resume and wall > 0:  # this invocation's tokens over this invocation's time
-        summary["tokens_per_s_wall"] = round((summary["tokens"] - prior_tokens) / wall, 1)
-    summary.update(resumed_from_step=start_step if resume else None,
-                   stopped_early=bool(stop_after and len(full) and int(full["step"].max()) + 1 < n_steps),
-                   prior_tokens=prior_tokens)
-    if main:
-        _write_json(out / SUMMARY_FILE, summary)
-    model.eval()
-    return RunResult(out_dir=out, model=model, tokenizer=tok, metrics=full, config=run_cfg, summary=summary,
-                     samples=samples)
-
-
-class _EveryNthMeter:
-    """A MemoryMeter that measures one optimizer step in `every` (NaN peak for the others)."""
-
-    def __init__(self, meter, every: int):
-        self.meter, self.every, self.calls, self.active = meter, int(every), 0, False
-
-    def track(self, *objs):
-        import contextlib
-
-        self.active = self.calls % self.every == 0
-        self.calls += 1
-        return self.meter.track(*objs) if self.active else contextlib.nullcontext()
-
-    def reset_peak(self) -> None:
-        if self.active:
-            self.meter.reset_peak()
-
-    def peak(self) -> float:
-        return float(self.meter.peak()) if self.active else float("nan")
-
-
-class _LengthSubset(torch.utils.data.Dataset):
-    """A subset of a dataset that keeps its `lengths` (token-budget batching needs them)."""
-
-    def __init__(self, ds, indices: Sequence[int]):
-        self.ds, self.indices = ds, list(indices)
+    def __init__(self, ds: Any, indices: Sequence[int]) -> None:
+        self.ds, self.indices, self.stats = ds, list(indices), ds.stats
         self.lengths = ds.lengths[self.indices]
-        self.stats = ds.stats
 
     def __len__(self) -> int:
         return len(self.indices)
 
-    def __getitem__(self, i: int):
+    def __getitem__(self, i: int) -> dict:
         return self.ds[self.indices[i]]
 
 
-def _common(kwargs: dict) -> dict:
-    base = dict(data=None, out=None, profile=None, config=None, max_tokens=None, accum=None, amp="auto",
-                steps=None, resume=False, overwrite=False, lr=None, seq_len=None, val_data=None, val_batches=4,
-                cache_dir=None, device=None, tokenizer_dir=None, init=None, stop_after=None, sample_every=None,
-                sample_prompts=None, ckpt_every=None, max_samples=None, progress=True, seed=1337, measure_memory=True, eval_every=None, log=print)
-    unknown = sorted(set(kwargs) - set(base))
-    if unknown:
-        raise TypeError(f"unknown argument(s) {unknown}; known: {sorted(base)}")
-    base.update(kwargs)
-    return base
+def holdout_split(ds: Any, seed: int) -> tuple[LengthSubset, LengthSubset]:
+    """(train, held out): a fixed 5% of the conversations, drawn by seed, never trained on (SFT's validation set)."""
+    n_val = max(1, len(ds) // 20)
+    order = torch.randperm(len(ds), generator=torch.Generator().manual_seed(seed)).tolist()
+    return LengthSubset(ds, sorted(order[n_val:])), LengthSubset(ds, sorted(order[:n_val]))
+
+
+def train_steps(ds: Any, s: RunSettings, dinfo: Any = None):
+    """The optimizer steps: the token-budget sampler's next accum_steps micro-batches each (dealt to ranks under DDP)."""
+    if dinfo is not None:
+        return D.distributed_step_source(ds, s.max_tokens, s.accum_steps, seq_len=s.seq_len, seed=s.seed, info=dinfo)
+    sampler = TokenBudgetBatchSampler(ds.lengths, s.max_tokens, seed=s.seed, seq_len=s.seq_len)
+    return TokenBudgetSteps(ds, sampler, s.accum_steps)
+
+
+def make_controller(device: torch.device, max_tokens: int, seq_len: int, pad_id: int) -> AdaptiveBatchController:
+    """Notebook 06's controller: on CUDA with a meter checked against the device's memory, elsewhere OOM recovery
+    only (a CPU's RAM has no limit the process could see coming)."""
+    meter = MemoryMeter(device) if device.type == "cuda" else None
+    if meter is not None:
+        meter.budget_bytes = total_memory_bytes(device)  # the checks' threshold only; the allocator keeps its limit
+    return AdaptiveBatchController(max_tokens=max_tokens, seq_len=seq_len, meter=meter, check_every=CHECK_EVERY,
+                                   collate_fn=partial(pad_collate, pad_id=pad_id))
+
+
+def _datasets(s: RunSettings, tok: Any, dinfo: Any, log: Callable[[str], None]) -> tuple[Any, list | None, int | None]:
+    """1. (training set, validation batches, SFT's held-out count); under DDP rank 0 fills the cache first."""
+    main = dinfo is None or dinfo.is_main
+    cache = Path(s.cache_dir) if s.cache_dir is not None else Path(s.out).parent / "cache"
+    if not main:  # data parallel: rank 0 tokenizes into the cache, the other ranks then open it
+        D.barrier()
+    progress = s.progress and main
+    ds, info = memmap_dataset(s.data, tok, s.stage, s.seq_len, cache, s.max_samples, progress)
+    log(f"{s.stage}: {s.data.name}: {ds.stats.summary()} "
+        f"({'cache reused' if info.reused else f'tokenized in {info.seconds:.1f} s'})")
+    val, n_held_out = None, None
+    if s.val_data is not None:
+        val_ds, _ = memmap_dataset(Path(s.val_data), tok, s.stage, s.seq_len, cache, None, progress)
+        val = validation_batches(val_ds, s.max_tokens, s.seq_len, tok.pad_token_id, s.val_batches)
+    elif s.stage == "sft":  # no SFT validation file: hold out a fixed 5% of the conversations
+        ds, held_out = holdout_split(ds, s.seed)
+        val = validation_batches(held_out, s.max_tokens, s.seq_len, tok.pad_token_id, s.val_batches)
+        n_held_out = len(held_out)
+    if dinfo is not None and main:
+        D.barrier()  # the caches are complete: the other ranks may open them
+    return ds, val, n_held_out
+
+
+# ----------------------------------------------------------------------------------- 4. the loop  5. the run directory
+def start_run_dir(out: Path, run_cfg: dict, tok: Any, resume: bool) -> None:
+    """Write config.json and tokenizer/ (a fresh run first removes a replaced run's files)."""
+    out.mkdir(parents=True, exist_ok=True)
+    if not resume:  # --overwrite: a stale last.pt or metrics.csv must not survive into the new run
+        for name in RUN_FILES:
+            (out / name).unlink(missing_ok=True)
+    atomic_write_text(out / CONFIG_FILE, json.dumps(run_cfg, indent=2, ensure_ascii=False, default=str) + "\n")
+    tmp = out / f".{TOKENIZER_DIR}.tmp-{os.getpid()}"
+    tok.save(tmp)
+    if (out / TOKENIZER_DIR).exists():
+        shutil.rmtree(out / TOKENIZER_DIR)
+    os.replace(tmp, out / TOKENIZER_DIR)
+
+
+class Recorder:
+    """fit's callback: keeps the metrics rows, rewrites metrics.csv with every checkpoint, generates samples every
+    `sample_every` steps, stops after `stop_after` steps (fit then saves that step's state)."""
+
+    def __init__(self, out: Path, s: RunSettings, start_step: int, model: Any, tok: Any, write: bool) -> None:
+        self.out, self.s, self.model, self.tok, self.write, self.rows = out, s, model, tok, write, []
+        self.prior, self.samples = pd.DataFrame(), []
+        if s.resume:  # the rows and samples of the steps the checkpoint holds
+            if (out / METRICS_FILE).is_file():
+                self.prior = pd.read_csv(out / METRICS_FILE).query(f"step < {start_step}")
+            if (out / SAMPLES_FILE).is_file():
+                lines = (out / SAMPLES_FILE).read_text(encoding="utf-8").splitlines()
+                self.samples = [r for r in map(json.loads, filter(str.strip, lines)) if r["step"] <= start_step]
+
+    def frame(self) -> pd.DataFrame:
+        """The whole run's metrics: earlier invocations' rows, then this one's, with tokens_seen."""
+        df = pd.concat([self.prior, pd.DataFrame(self.rows)], ignore_index=True) if self.rows else self.prior.copy()
+        if len(df):
+            df["tokens_seen"] = df["tokens"].cumsum()
+        return df
+
+    def write_metrics(self) -> None:
+        """metrics.csv, atomically (it always matches the last checkpoint)."""
+        if self.write:
+            atomic_write_text(self.out / METRICS_FILE, self.frame().to_csv(index=False))
+
+    def sample(self, done: int) -> None:
+        """Greedy continuations (SFT: answers) of the fixed prompts, appended to samples.jsonl."""
+        for p in self.s.sample_prompts:
+            if self.s.stage == "sft":
+                text = chat_reply(self.model, self.tok, [{"role": "user", "content": p}], temperature=0.0,
+                                  max_new_tokens=24)
+            else:
+                text = generate(self.model, self.tok, p, max_new_tokens=24, temperature=0.0)
+            self.samples.append({"step": done, "prompt": p, "text": text})
+        lines = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in self.samples)
+        atomic_write_text(self.out / SAMPLES_FILE, lines)
+
+    def __call__(self, step: int, row: dict) -> str | None:
+        self.rows.append(row)  # the row itself: fit may still add the final checkpoint to its event
+        done = step + (0 if row.get("skipped") else 1)
+        if "ckpt" in str(row.get("event", "")).split(";"):
+            self.write_metrics()
+        if (self.write and self.s.sample_prompts and self.s.sample_every and not row.get("skipped")
+                and done % self.s.sample_every == 0):
+            self.sample(done)
+        return "stop" if self.s.stop_after is not None and done >= self.s.stop_after else None
+
+
+def eval_before_training(model: Any, val: list, device: torch.device, amp_dtype: Any) -> pd.DataFrame:
+    """The validation loss of the untrained model (about ln 6400 for a fresh one) as the metrics row of step -1."""
+    ev = evaluate(model.to(device), val, device=device, amp_dtype=amp_dtype)
+    return pd.DataFrame([{"step": -1, "loss": float("nan"), "lr": 0.0, "tokens": 0, "wall_time": 0.0,
+                          "val_loss": ev["loss"], "val_ppl": ev["ppl"], "event": "eval_before_training"}])
+
+
+def summarize(df: pd.DataFrame, wall: float) -> dict:
+    """Headline numbers of a run from its own metrics (nothing here is estimated)."""
+    val = df["val_loss"].dropna() if "val_loss" in df else pd.Series(dtype=float)
+    peak = df["peak_memory_bytes"].max() if "peak_memory_bytes" in df else float("nan")
+    train_time = float(df["step_time"].sum()) if "step_time" in df else 0.0
+    tokens, last = int(df["tokens"].sum()) if len(df) else 0, val.iloc[-1] if len(val) else None
+    return {"steps": int(df["step"].max()) + 1 if len(df) else 0, "tokens": tokens, "wall_time_s": round(wall, 2),
+            "train_time_s": round(train_time, 2),
+            "tokens_per_s": round(tokens / train_time, 1) if train_time > 0 else float("nan"),
+            "tokens_per_s_wall": round(tokens / wall, 1) if wall > 0 else float("nan"),
+            "peak_memory_bytes": None if peak != peak else int(peak),
+            "initial_val_loss": float(val.iloc[0]) if len(val) else None,
+            "final_val_loss": None if last is None else float(last),
+            "final_val_ppl": None if last is None else math.exp(min(last, 50)),
+            "final_train_loss": float(df["loss"].iloc[-1]) if len(df) else None, "amp": df.attrs.get("amp")}
+
+
+def _finish(rec: Recorder, df: pd.DataFrame, run_cfg: dict, wall: float, start_step: int, controller: Any,
+            dinfo: Any) -> tuple[pd.DataFrame, dict]:
+    """5. model.pth (MiniMind's key names), metrics.csv and summary.json; returns (metrics, summary)."""
+    full = rec.frame()
+    full.attrs.update(df.attrs)
+    if rec.write:
+        save_checkpoint(rec.model, rec.out / MODEL_FILE)  # a bare state dict
+        rec.write_metrics()
+    prior_tokens = int(rec.prior["tokens"].sum()) if len(rec.prior) else 0
+    summary = {"stage": rec.s.stage, "profile": run_cfg["profile"], "device": run_cfg["device"],
+               "model_preset": run_cfg["model_preset"], **summarize(full, wall), "prior_tokens": prior_tokens,
+               "resumed_from_step": start_step if rec.s.resume else None,
+               "stopped_early": bool(len(full) and int(full["step"].max()) + 1 < rec.s.steps)}
+    if rec.s.resume and wall > 0:  # this invocation's tokens over this invocation's time
+        summary["tokens_per_s_wall"] = round((summary["tokens"] - prior_tokens) / wall, 1)
+    if controller is not None:  # what the controller did: OOMs recovered, samples lost (0), rows cut
+        summary["batching"] = {k: v for k, v in controller.stats.items() if k != "uncut_len"}
+    if dinfo is not None:
+        summary["world_size"] = dinfo.world_size
+    if rec.write:
+        atomic_write_text(rec.out / SUMMARY_FILE, json.dumps(summary, indent=2, default=str) + "\n")
+    return full, summary
+
+
+def _run(s: RunSettings, dinfo: Any = None) -> RunResult:
+    """One run, the steps of notebook 07 in order; under torchrun (dinfo) one rank of it, rank 0 writing OUT."""
+    main = dinfo is None or dinfo.is_main  # the one process that logs and writes files
+    log = s.log if main else (lambda msg: None)
+    prof = s.profile if isinstance(s.profile, Profile) else get_profile(s.profile)
+    device = dinfo.device if dinfo is not None else torch.device(s.device) if s.device is not None else get_device()
+    s = resolve_settings(s, prof)
+    tok, mcfg, preset, init_state = _inputs(s, prof)
+    out = Path(s.out)
+    _check_out_dir(out, s.resume, s.overwrite)
+    cfg, amp = train_config(s), resolve_amp(s.amp, device)
+    run_cfg = _run_config(s, prof, preset, mcfg, tok, device, dinfo)
+    saved_state = _check_resume(out, run_cfg, cfg, dinfo) if s.resume else None
+    ds, val, n_held_out = _datasets(s, tok, dinfo, log)  # 1. data
+    steps = train_steps(ds, s, dinfo)  # 2. the optimizer steps
+    sampler = steps.base if dinfo is not None else steps.batch_sampler
+    run_cfg["data_stats"] = {**ds.stats.to_dict(), "batches_per_epoch": len(sampler)}
+    if n_held_out is not None:
+        run_cfg["sft_val_holdout"] = n_held_out
+    # 3. the controller (under DDP every rank would have to agree on each change of size: none)
+    controller = None if dinfo is not None else make_controller(device, s.max_tokens, s.seq_len, tok.pad_token_id)
+    torch.manual_seed(s.seed)  # the same seed, the same initial weights
+    model = MiniMindForCausalLM(mcfg)
+    if init_state is not None:
+        model.load_state_dict(init_state)
+    if main:
+        start_run_dir(out, run_cfg, tok, s.resume)
+    start_step = int(saved_state["step"]) if saved_state is not None else 0
+    rec = Recorder(out, s, start_step, model, tok, write=main)
+    log(f"{s.stage}: {s.steps} steps x {s.accum_steps} micro-batches of <= {s.max_tokens} tokens (seq_len "
+        f"{s.seq_len}), lr {s.lr:g}, {amp.reason}, device {device}"
+        + (f", {dinfo.world_size} ranks ({dinfo.backend})" if dinfo is not None else "")
+        + (f"; resuming {out} at step {start_step} of {s.steps}" if s.resume else ""))
+    t0 = time.perf_counter()
+    if not s.resume and val and main:
+        rec.prior = eval_before_training(model, val, device, amp.dtype)
+        log(f"{s.stage}: validation loss before training {rec.prior['val_loss'].iloc[0]:.3f}")
+    resume_from = out / STATE_FILE if s.resume else None
+    if dinfo is not None:  # 4. the loop
+        df = D.fit_distributed(model, steps, cfg, info=dinfo, val_batches=val, pad_id=tok.pad_token_id,
+                               callbacks=[rec], resume_from=resume_from)
+    else:
+        df = fit(model, steps, cfg, device=device, val_batches=val, controller=controller, callbacks=[rec],
+                 resume_from=resume_from)
+    metrics, summary = _finish(rec, df, run_cfg, time.perf_counter() - t0, start_step, controller, dinfo)
+    return RunResult(out, model.eval(), tok, metrics, run_cfg, summary, rec.samples)
+
+
+def _run_maybe_distributed(stage: str, kwargs: dict) -> RunResult:
+    """The run of keyword arguments `kwargs`; under torchrun (WORLD_SIZE > 1) one rank of it, the process group torn
+    down at the end (also on error)."""
+    known = {f.name for f in dataclasses.fields(RunSettings)} - {"stage"}
+    if unknown := sorted(set(kwargs) - known):
+        raise TypeError(f"unknown argument(s) {unknown}; known: {sorted(known)}")
+    s = RunSettings(stage=stage, **kwargs)
+    if D.env_ranks()[1] <= 1:
+        return _run(s)
+    backend = "gloo" if s.device is not None and torch.device(s.device).type != "cuda" else None
+    dinfo = D.setup(backend=backend, device=s.device)
+    try:
+        return _run(s, dinfo)
+    finally:
+        D.teardown()
 
 
 def pretrain(data: str | Path | None = None, out: str | Path | None = None, **kwargs: Any) -> RunResult:
     """Pretrain a MiniMind model on a {"text"} jsonl file (default data/pretrain.jsonl) into run directory `out`.
 
-    Sizes come from the profile (`profile=` name or Profile; default: the selected one) unless given:
-    config (model preset), seq_len, max_tokens (per micro-batch), accum, steps, lr, amp ("auto"|"bf16"|"fp16"|"off").
-    resume=True continues OUT/last.pt (same settings required); overwrite=True replaces an existing run;
-    stop_after=N stops (with a checkpoint) after N steps of a schedule that spans `steps`.
+    Sizes come from the profile (`profile=` name or Profile; default: the selected one) unless given: config (model
+    preset), seq_len, max_tokens (per micro-batch), accum_steps, steps, lr, amp ("auto"|"bf16"|"fp16"|"off"); see
+    RunSettings. resume=True continues OUT/last.pt (same settings required); overwrite=True replaces a run.
     """
-    return _run("pretrain", **_common(dict(kwargs, data=data, out=out)))
+    return _run_maybe_distributed("pretrain", dict(kwargs, data=data, out=out))
 
 
 def sft(data: str | Path | None = None, out: str | Path | None = None, *, init: str | Path | None = None,
         **kwargs: Any) -> RunResult:
     """Supervised fine-tuning on a {"conversations"} jsonl file (default data/sft.jsonl), from run directory `init`.
 
-    Chat template, assistant-only loss (labels -100 elsewhere); 5% of the conversations are held out for the
-    validation loss. Other arguments as for `pretrain` (lr defaults to half the profile's).
+    Chat template, assistant-only loss; 5% of the conversations are held out for the validation loss. Other
+    arguments as for `pretrain` (lr defaults to half the profile's); no sample generations unless sample_prompts.
     """
     kwargs.setdefault("sample_prompts", ())
-    return _run("sft", **_common(dict(kwargs, data=data, out=out, init=init)))
+    return _run_maybe_distributed("sft", dict(kwargs, data=data, out=out, init=init))
