@@ -1,9 +1,13 @@
-"""Resuming notebook 04_gradient_accumulation's loop (train.fit): checkpoints of the whole training state (model,
-optimizer, GradScaler, step, data position: `DataStream`, controller, RNGs), read back with weights_only=True."""
+"""Checkpoints: the whole training state that resumes notebook 04_gradient_accumulation's loop (train.fit: model,
+optimizer, GradScaler, step, data position `DataStream`, controller, RNGs), and the run directory notebook 07 writes
+(config.json, model.pth, tokenizer/: `start_run_dir`, `load_run`). Everything is read back with weights_only=True."""
 
 from __future__ import annotations
 
+import json
+import os
 import random
+import shutil
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -11,8 +15,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from .fileio import atomic_open
-from .model import check_state_dict
+from .corpus import tokenizer_fingerprint
+from .fileio import atomic_open, atomic_write_text
+from .model import MiniMindConfig, MiniMindForCausalLM, check_state_dict, load_checkpoint
+from .tokenizer import check_vocab, load_tokenizer
 
 FORMAT, VERSION = "minimind-train-state", 1
 
@@ -143,3 +149,69 @@ def load_training_state(path: str | Path, model: nn.Module, *, optimizer: torch.
     if restore_rng:
         set_rng_state(state["rng"])
     return {"step": int(state["step"]), "data": state["data"], "rng": state["rng"], "extra": state.get("extra", {})}
+
+
+# ----------------------------------------------------------------------------------- the run directory (notebook 07)
+RUN_FORMAT, RUN_VERSION = "minimind-run", 1
+CONFIG_FILE, MODEL_FILE, TOKENIZER_DIR, METRICS_FILE = "config.json", "model.pth", "tokenizer", "metrics.csv"
+STATE_FILE, SAMPLES_FILE, SUMMARY_FILE = "last.pt", "samples.jsonl", "summary.json"
+RUN_FILES = (CONFIG_FILE, MODEL_FILE, METRICS_FILE, STATE_FILE, SAMPLES_FILE, SUMMARY_FILE)
+
+
+class RunError(ValueError):
+    """A run cannot start: bad input, or it would overwrite or contradict an existing run directory."""
+
+
+def read_run_config(run_dir: str | Path) -> dict:
+    """OUT/config.json of a run directory, validated; FileNotFoundError/RunError name the file."""
+    run_dir, path = Path(run_dir), Path(run_dir) / CONFIG_FILE
+    if not run_dir.is_dir():
+        raise FileNotFoundError(f"run directory not found: {run_dir}")
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: {run_dir} is not a run directory (it needs {CONFIG_FILE}, "
+                                f"{MODEL_FILE} and {TOKENIZER_DIR}/)")
+    try:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise RunError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(cfg, dict) or cfg.get("format") != RUN_FORMAT:
+        found = cfg.get("format") if isinstance(cfg, dict) else None
+        raise RunError(f"{path}: not a minimind run config (format={found!r}, expected {RUN_FORMAT!r})")
+    for key in ("model", "train", "tokenizer", "stage"):
+        if key not in cfg:
+            raise RunError(f"{path}: lacks key {key!r}")
+    return cfg
+
+
+def load_run(run_dir: str | Path, device: torch.device | str | None = None):
+    """(model, tokenizer, config) of a run directory; clear errors for a missing/corrupt checkpoint or vocab mismatch."""
+    run_dir = Path(run_dir)
+    cfg = read_run_config(run_dir)
+    if not (run_dir / MODEL_FILE).is_file():
+        raise FileNotFoundError(f"checkpoint not found: {run_dir / MODEL_FILE} (did the run in {run_dir} finish?)")
+    tok, mcfg = load_tokenizer(run_dir / TOKENIZER_DIR), MiniMindConfig.from_dict(cfg["model"])
+    try:
+        check_vocab(tok, mcfg.vocab_size)
+    except ValueError as e:
+        raise RunError(f"{run_dir}: {e}") from None
+    fp = cfg["tokenizer"].get("fingerprint")
+    if fp and fp != tokenizer_fingerprint(tok):
+        raise RunError(f"{run_dir / TOKENIZER_DIR}: this tokenizer is not the one the model was trained with "
+                       f"(fingerprint {tokenizer_fingerprint(tok)}, {CONFIG_FILE} says {fp})")
+    model = MiniMindForCausalLM(mcfg)
+    load_checkpoint(run_dir / MODEL_FILE, model)  # weights_only=True; names the file when corrupt or mismatched
+    return (model if device is None else model.to(device)).eval(), tok, cfg
+
+
+def start_run_dir(out: Path, run_cfg: dict, tok: Any, resume: bool) -> None:
+    """Write config.json and tokenizer/ (a fresh run first removes a replaced run's files)."""
+    out.mkdir(parents=True, exist_ok=True)
+    if not resume:  # --overwrite: a stale last.pt or metrics.csv must not survive into the new run
+        for name in RUN_FILES:
+            (out / name).unlink(missing_ok=True)
+    atomic_write_text(out / CONFIG_FILE, json.dumps(run_cfg, indent=2, ensure_ascii=False, default=str) + "\n")
+    tmp = out / f".{TOKENIZER_DIR}.tmp-{os.getpid()}"
+    tok.save(tmp)
+    if (out / TOKENIZER_DIR).exists():
+        shutil.rmtree(out / TOKENIZER_DIR)
+    os.replace(tmp, out / TOKENIZER_DIR)

@@ -21,7 +21,8 @@ import sys
 
 from .device import device_report
 from .generate import chat
-from .pipeline import load_run, pretrain, sft
+from .checkpoint import load_run
+from .pipeline import pretrain, sft
 from .profiles import get_profile
 
 EXIT_BAD_INPUT = 2

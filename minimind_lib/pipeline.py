@@ -1,18 +1,13 @@
 """The runs of notebooks 07_pretrain and 08_sft as two functions, `pretrain` and `sft`, for the command line.
 
-A run is the sequence of steps notebook 07 writes in cells, each a function here, in the same order:
-1. data: each jsonl tokenized once into a memmap cache (`memmap_dataset`, `validation_batches`; SFT holds out 5%);
-2. steps: the token-budget sampler's micro-batches, `accum_steps` per optimizer step (`train_steps`);
-3. the adaptive batch controller of notebook 06 (`make_controller`): on CUDA it checks memory every CHECK_EVERY
-   steps (above 80% of the device the micro-batch shrinks, below 50% it grows back); on every device an OOM halves
-   the micro-batch and retries the same samples, then cuts seq_len: no sample is lost;
-4. the loop, `train.fit`, after a validation pass before training, with sample generations (`Recorder`);
-5. the run directory: config.json (what the run was), model.pth (a bare state dict with MiniMind's key names),
-   tokenizer/, metrics.csv (a row per step), last.pt (the state for --resume), samples.jsonl, summary.json.
-
-Under `torchrun --nproc_per_node=N -m minimind_lib pretrain|sft ...` the same run trains with DDP (notebook 09):
-rank 0 tokenizes the cache first and alone writes OUT; the controller is not used (every rank would have to agree
-on each change of size). Every input is validated before OUT is written.
+A run is the sequence of steps notebook 07 writes in cells, each a function here, in the same order: 1. the data
+(`memmap_dataset`, `validation_batches`; SFT holds out 5%), 2. the optimizer steps (`train_steps`), 3. the adaptive
+batch controller of notebook 06 (`make_controller`; on every device an OOM halves the micro-batch and retries the same
+samples), 4. the loop (`train.fit`, with a `Recorder` callback), 5. the run directory: config.json, model.pth
+(MiniMind's key names), tokenizer/, metrics.csv, last.pt (for --resume), samples.jsonl, summary.json.
+Under `torchrun --nproc_per_node=N -m minimind_lib pretrain|sft ...` the same run trains with DDP (notebook 09): rank
+0 fills the cache first and alone writes OUT; no controller (every rank would have to agree on each change of size).
+Every input is validated before OUT is written.
 """
 
 from __future__ import annotations
@@ -22,7 +17,6 @@ import hashlib
 import json
 import math
 import os
-import shutil
 import time
 from dataclasses import dataclass, field
 from functools import partial
@@ -31,26 +25,25 @@ from typing import Any, Callable, Sequence
 
 import pandas as pd
 import torch
+from torch.utils.data import Subset
 
 from . import distributed as D
 from .batching import AdaptiveBatchController, TokenBudgetBatchSampler, TokenBudgetSteps
-from .checkpoint import check_config, read_training_state
+from .checkpoint import (CONFIG_FILE, METRICS_FILE, MODEL_FILE, RUN_FILES, RUN_FORMAT, RUN_VERSION, SAMPLES_FILE,
+                         STATE_FILE, SUMMARY_FILE, RunError, check_config, load_run, read_run_config,
+                         read_training_state, start_run_dir)
 from .corpus import tokenize_to_memmap, tokenizer_fingerprint
 from .data import PretrainDataset, SFTDataset, pad_collate
 from .device import get_device, total_memory_bytes
 from .fileio import atomic_write_text
 from .generate import chat_reply, generate
 from .memory import MemoryMeter
-from .model import MiniMindConfig, MiniMindForCausalLM, load_checkpoint, save_checkpoint
+from .model import MiniMindConfig, MiniMindForCausalLM, save_checkpoint
 from .paths import DATA_DIR, REPO_DIR
 from .profiles import Profile, get_profile
 from .tokenizer import check_vocab, load_tokenizer
 from .train import TrainConfig, evaluate, fit, resolve_amp
 
-RUN_FORMAT, RUN_VERSION = "minimind-run", 1
-CONFIG_FILE, MODEL_FILE, TOKENIZER_DIR, METRICS_FILE = "config.json", "model.pth", "tokenizer", "metrics.csv"
-STATE_FILE, SAMPLES_FILE, SUMMARY_FILE = "last.pt", "samples.jsonl", "summary.json"
-RUN_FILES = (CONFIG_FILE, MODEL_FILE, METRICS_FILE, STATE_FILE, SAMPLES_FILE, SUMMARY_FILE)
 DEFAULT_SAMPLE_PROMPTS = ("ROMEO.\n", "床前明月光，")  # one per language of the bundled corpus
 # Settings that fix the order and shape of the data: resuming with another value would train on other batches
 # than the saved position refers to, so it is an error.
@@ -60,10 +53,6 @@ RESUME_KEYS = ("stage", "model", "data", "val_data", "seq_len", "max_tokens", "v
 LONG_DOCS_BY_KIND = {"pretrain": "chunk", "sft": "truncate"}
 SMALL_FILE_BYTES = 32 * 2**20  # below this, tokenize in this process (starting workers costs more than it saves)
 CHECK_EVERY = 10  # optimizer steps between the controller's memory checks (CUDA)
-
-
-class RunError(ValueError):
-    """A run cannot start: bad input, or it would overwrite or contradict an existing run directory."""
 
 
 @dataclass
@@ -117,47 +106,6 @@ class RunResult:
 def run_dir_for(profile_name: str, stage: str) -> Path:
     """runs/<profile>/<stage> (MINIMIND_RUNS_DIR overrides runs/): the run notebook 07 writes and 08 starts from."""
     return Path(os.environ.get("MINIMIND_RUNS_DIR", REPO_DIR / "runs")) / profile_name / stage
-
-
-def read_run_config(run_dir: str | Path) -> dict:
-    """OUT/config.json of a run directory, validated; FileNotFoundError/RunError name the file."""
-    run_dir, path = Path(run_dir), Path(run_dir) / CONFIG_FILE
-    if not run_dir.is_dir():
-        raise FileNotFoundError(f"run directory not found: {run_dir}")
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: {run_dir} is not a run directory (it needs {CONFIG_FILE}, "
-                                f"{MODEL_FILE} and {TOKENIZER_DIR}/)")
-    try:
-        cfg = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise RunError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(cfg, dict) or cfg.get("format") != RUN_FORMAT:
-        found = cfg.get("format") if isinstance(cfg, dict) else None
-        raise RunError(f"{path}: not a minimind run config (format={found!r}, expected {RUN_FORMAT!r})")
-    for key in ("model", "train", "tokenizer", "stage"):
-        if key not in cfg:
-            raise RunError(f"{path}: lacks key {key!r}")
-    return cfg
-
-
-def load_run(run_dir: str | Path, device: torch.device | str | None = None):
-    """(model, tokenizer, config) of a run directory; clear errors for a missing/corrupt checkpoint or vocab mismatch."""
-    run_dir = Path(run_dir)
-    cfg = read_run_config(run_dir)
-    if not (run_dir / MODEL_FILE).is_file():
-        raise FileNotFoundError(f"checkpoint not found: {run_dir / MODEL_FILE} (did the run in {run_dir} finish?)")
-    tok, mcfg = load_tokenizer(run_dir / TOKENIZER_DIR), MiniMindConfig.from_dict(cfg["model"])
-    try:
-        check_vocab(tok, mcfg.vocab_size)
-    except ValueError as e:
-        raise RunError(f"{run_dir}: {e}") from None
-    fp = cfg["tokenizer"].get("fingerprint")
-    if fp and fp != tokenizer_fingerprint(tok):
-        raise RunError(f"{run_dir / TOKENIZER_DIR}: this tokenizer is not the one the model was trained with "
-                       f"(fingerprint {tokenizer_fingerprint(tok)}, {CONFIG_FILE} says {fp})")
-    model = MiniMindForCausalLM(mcfg)
-    load_checkpoint(run_dir / MODEL_FILE, model)  # weights_only=True; names the file when corrupt or mismatched
-    return (model if device is None else model.to(device)).eval(), tok, cfg
 
 
 def plan_run(profile: Any = None, stage: str = "pretrain") -> dict:
@@ -307,25 +255,16 @@ def validation_batches(ds: Any, max_tokens: int, seq_len: int, pad_id: int, n_ba
     return [pad_collate([ds[i] for i in b], pad_id=pad_id) for b in sampler.batches()[:n_batches]]
 
 
-class LengthSubset(torch.utils.data.Dataset):
-    """The samples `indices` of a dataset, keeping its `lengths` (token-budget batching needs them) and stats."""
+def holdout_split(ds: Any, seed: int) -> tuple[Subset, Subset]:
+    """(train, held out): a fixed 5% of the conversations, drawn by seed, never trained on (SFT's validation set).
 
-    def __init__(self, ds: Any, indices: Sequence[int]) -> None:
-        self.ds, self.indices, self.stats = ds, list(indices), ds.stats
-        self.lengths = ds.lengths[self.indices]
-
-    def __len__(self) -> int:
-        return len(self.indices)
-
-    def __getitem__(self, i: int) -> dict:
-        return self.ds[self.indices[i]]
-
-
-def holdout_split(ds: Any, seed: int) -> tuple[LengthSubset, LengthSubset]:
-    """(train, held out): a fixed 5% of the conversations, drawn by seed, never trained on (SFT's validation set)."""
+    Both parts keep the dataset's `lengths` (token-budget batching needs them) and `stats`."""
     n_val = max(1, len(ds) // 20)
     order = torch.randperm(len(ds), generator=torch.Generator().manual_seed(seed)).tolist()
-    return LengthSubset(ds, sorted(order[n_val:])), LengthSubset(ds, sorted(order[:n_val]))
+    parts = (Subset(ds, sorted(order[n_val:])), Subset(ds, sorted(order[:n_val])))
+    for part in parts:
+        part.lengths, part.stats = ds.lengths[part.indices], ds.stats
+    return parts
 
 
 def train_steps(ds: Any, s: RunSettings, dinfo: Any = None):
@@ -370,20 +309,6 @@ def _datasets(s: RunSettings, tok: Any, dinfo: Any, log: Callable[[str], None]) 
 
 
 # ----------------------------------------------------------------------------------- 4. the loop  5. the run directory
-def start_run_dir(out: Path, run_cfg: dict, tok: Any, resume: bool) -> None:
-    """Write config.json and tokenizer/ (a fresh run first removes a replaced run's files)."""
-    out.mkdir(parents=True, exist_ok=True)
-    if not resume:  # --overwrite: a stale last.pt or metrics.csv must not survive into the new run
-        for name in RUN_FILES:
-            (out / name).unlink(missing_ok=True)
-    atomic_write_text(out / CONFIG_FILE, json.dumps(run_cfg, indent=2, ensure_ascii=False, default=str) + "\n")
-    tmp = out / f".{TOKENIZER_DIR}.tmp-{os.getpid()}"
-    tok.save(tmp)
-    if (out / TOKENIZER_DIR).exists():
-        shutil.rmtree(out / TOKENIZER_DIR)
-    os.replace(tmp, out / TOKENIZER_DIR)
-
-
 class Recorder:
     """fit's callback: keeps the metrics rows, rewrites metrics.csv with every checkpoint, generates samples every
     `sample_every` steps, stops after `stop_after` steps (fit then saves that step's state)."""

@@ -44,7 +44,7 @@ def test_torchrun_pretrain_matches_single_process(tmp_path):
     # One run directory, written once (no second writer's temp files, nothing per rank).
     names = sorted(p.name for p in ddp_out.iterdir())
     assert names == ["config.json", "last.pt", "metrics.csv", "model.pth", "summary.json", "tokenizer"], names
-    from minimind_lib.pipeline import load_run
+    from minimind_lib.checkpoint import load_run
 
     load_run(ddp_out)  # model.pth, tokenizer and config.json agree
     cfg = json.loads((ddp_out / "config.json").read_text())

@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from minimind_lib import pipeline
+from minimind_lib import checkpoint, pipeline
 from minimind_lib.chat_widget import ChatBox
 from minimind_lib.generate import chat, chat_prompt_ids, chat_reply
 
@@ -68,7 +68,7 @@ def test_sample_generations_at_intervals(pre):
 
 
 def test_load_run_round_trip(pre):
-    model, tok, cfg = pipeline.load_run(pre.out_dir)
+    model, tok, cfg = checkpoint.load_run(pre.out_dir)
     assert cfg["stage"] == "pretrain" and tok.vocab_size == 6400
     for k, v in model.state_dict().items():
         assert torch.equal(v, pre.model.state_dict()[k].cpu())
@@ -85,7 +85,7 @@ def test_load_run_refuses_another_tokenizer(pre, tmp_path):
     texts = [json.loads(line)["text"] for line in (DATA_DIR / "pretrain_val.jsonl").open()][:50]
     Tokenizer.train(texts, vocab_size=300).save(run / "tokenizer")
     with pytest.raises(ValueError, match="vocab_size=300.*vocab_size=6400"):
-        pipeline.load_run(run)
+        checkpoint.load_run(run)
 
 
 def test_load_run_refuses_a_different_tokenizer_of_the_same_size(pre, tmp_path):
@@ -95,7 +95,7 @@ def test_load_run_refuses_a_different_tokenizer_of_the_same_size(pre, tmp_path):
     cfg["tokenizer"]["fingerprint"] = "0" * 16
     (run / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="not the one the model was trained with"):
-        pipeline.load_run(run)
+        checkpoint.load_run(run)
 
 
 def test_overwrite_replaces_a_run(pre, tmp_path):
