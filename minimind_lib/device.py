@@ -1,10 +1,6 @@
 """The device, as notebook 00_setup shows it: which one the course runs on and what it can honestly do.
 
-A format is "supported" when autocast runs in it here (checked by running it), "native" when the hardware has
-instructions for it; without them (bf16 or fp16 on most CPUs) autocast emulates the format, slower than fp32.
-"""
-
-from __future__ import annotations
+A format is "supported" when autocast runs in it here (tried), "native" when the hardware has it (not emulated)."""
 
 import os
 import platform
@@ -14,16 +10,14 @@ import torch
 
 from .profiles import Profile, get_profile
 
-# /proc/cpuinfo flags of bf16 and fp16 arithmetic: x86 AVX512 and AMX, Arm's BF16 and half-precision SIMD
-_NATIVE_CPU_FLAGS = {torch.bfloat16: {"avx512_bf16", "amx_bf16", "bf16"}, torch.float16: {"avx512_fp16", "amx_fp16", "asimdhp"}}
+_NATIVE_CPU_FLAGS = {torch.bfloat16: {"avx512_bf16", "amx_bf16", "bf16"},  # /proc/cpuinfo flags: x86 AVX512, AMX; Arm
+                     torch.float16: {"avx512_fp16", "amx_fp16", "asimdhp"}}  # x86 AVX512, AMX; Arm half-precision SIMD
 
 
 def get_device(prefer: str | None = None) -> torch.device:
     """The best device available: cuda > mps > cpu (or `prefer`, or env MINIMIND_DEVICE)."""
-    if prefer := prefer or os.environ.get("MINIMIND_DEVICE"):
-        return torch.device(prefer)
-    mps = getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
-    return torch.device("cuda" if torch.cuda.is_available() else "mps" if mps else "cpu")
+    best = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    return torch.device(prefer or os.environ.get("MINIMIND_DEVICE") or best)
 
 
 def _cpuinfo(prefixes: tuple[str, ...]) -> list[str] | None:
@@ -38,9 +32,8 @@ def _cpuinfo(prefixes: tuple[str, ...]) -> list[str] | None:
 @lru_cache(maxsize=None)
 def cpu_has_native(dtype: torch.dtype) -> bool:
     """Whether the CPU has arithmetic instructions for `dtype` (bf16 or fp16), from its /proc/cpuinfo flags."""
-    flags = _cpuinfo(("flags", "Features"))
-    if flags is None:  # no /proc: Apple silicon has fp16, and bf16 from M2 on (a guess we state as such)
-        return platform.machine() == "arm64"
+    if (flags := _cpuinfo(("flags", "Features"))) is None:
+        return platform.machine() == "arm64"  # no /proc: Apple silicon has fp16, and bf16 from M2 on (a stated guess)
     return bool({f for line in flags for f in line.split()} & _NATIVE_CPU_FLAGS[dtype])
 
 
@@ -56,8 +49,7 @@ def autocast_runs(device_type: str, dtype: torch.dtype) -> bool:
     """Whether a matmul under torch.autocast(device_type, dtype) runs here and comes out in `dtype`."""
     try:
         with torch.autocast(device_type, dtype=dtype):
-            x = torch.ones(4, 4, device=device_type)
-            return (x @ x).dtype == dtype
+            return (torch.ones(4, 4, device=device_type) @ torch.eye(4, device=device_type)).dtype == dtype
     except (RuntimeError, TypeError):  # autocast refuses this dtype on this device type
         return False
 
@@ -78,7 +70,7 @@ def total_memory_bytes(device: torch.device) -> int:
     """Total memory of the device: the GPU's memory on CUDA, the machine's RAM otherwise."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0  # no sysconf: Windows
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0  # 0: Windows
 
 
 def device_report(device: torch.device | None = None, profile: Profile | None = None) -> dict:
@@ -86,9 +78,8 @@ def device_report(device: torch.device | None = None, profile: Profile | None = 
     device, profile = device or get_device(), profile or get_profile()
     return {"device": device.type, "device_name": device_name(device), "profile": profile.name,
             "torch": torch.__version__, "bf16_supported": bf16_supported(device), "bf16_native": bf16_native(device),
-            # every CUDA and Apple GPU has fp16 math; most CPUs emulate it under autocast (as notebook 05 measures)
-            "fp16_supported": autocast_runs(device.type, torch.float16),
-            "fp16_native": device.type in ("cuda", "mps") or cpu_has_native(torch.float16),
+            "fp16_supported": autocast_runs(device.type, torch.float16),  # most CPUs emulate it (notebook 05)
+            "fp16_native": device.type in ("cuda", "mps") or cpu_has_native(torch.float16),  # every GPU has fp16 math
             "total_memory_bytes": total_memory_bytes(device), "cpu_threads": torch.get_num_threads()}
 
 

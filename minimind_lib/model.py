@@ -1,11 +1,9 @@
 """The MiniMind2 language model, built piece by piece in notebook 03_model: RMSNorm, RoPE, GQA, SwiGLU, checkpoints.
 
-Written to be read top to bottom (in the spirit of nanoGPT). The architecture and the parameter names are
-exactly MiniMind2's (see DESIGN.md), so a MiniMind ``.pth`` state dict loads with ``load_state_dict(strict=True)``
-and produces the same logits as MiniMind's own code.
+Read it top to bottom, like nanoGPT. Architecture and parameter names are exactly MiniMind2's (see DESIGN.md):
+a MiniMind ``.pth`` state dict loads with ``strict=True`` and gives the same logits as MiniMind's own code.
 
-    x -> embed_tokens -> [ x + attn(norm(x)); x + mlp(norm(x)) ] * L -> norm -> lm_head (tied to embed_tokens)
-"""
+    x -> embed_tokens -> [ x + attn(norm(x)); x + mlp(norm(x)) ] * L -> norm -> lm_head (tied to embed_tokens)"""
 
 from __future__ import annotations
 
@@ -26,7 +24,6 @@ from .fileio import atomic_open
 @dataclass
 class MiniMindConfig:
     """Hyper-parameters of a MiniMind model; the defaults are MiniMind2-small (25,829,888 parameters)."""
-
     hidden_size: int = 512
     num_hidden_layers: int = 8
     num_attention_heads: int = 8
@@ -42,16 +39,16 @@ class MiniMindConfig:
         if self.intermediate_size is None:
             self.intermediate_size = 64 * math.ceil(int(self.hidden_size * 8 / 3) / 64)
         if self.hidden_size % self.num_attention_heads != 0:
-            raise ValueError(f"hidden_size={self.hidden_size} is not divisible by num_attention_heads={self.num_attention_heads}")
+            raise ValueError(f"hidden_size={self.hidden_size} is not divisible by "
+                             f"num_attention_heads={self.num_attention_heads}")
         if self.num_attention_heads % self.num_key_value_heads != 0:
             raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple of num_key_value_heads="
                              f"{self.num_key_value_heads} (grouped-query attention needs whole groups)")
-        if (self.hidden_size // self.num_attention_heads) % 2 != 0:
+        if self.head_dim % 2 != 0:
             raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
 
     @property
-    def head_dim(self) -> int:
-        """Width of one attention head."""
+    def head_dim(self) -> int:  # width of one attention head
         return self.hidden_size // self.num_attention_heads
 
     @classmethod
@@ -61,8 +58,7 @@ class MiniMindConfig:
             raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}")
         return cls(**{**PRESETS[name], **overrides})
 
-    def to_dict(self) -> dict:
-        """The config as a plain JSON-ready dict."""
+    def to_dict(self) -> dict:  # JSON-ready
         return asdict(self)
 
     @classmethod
@@ -75,8 +71,7 @@ class MiniMindConfig:
 
 
 PRESETS: dict[str, dict] = {
-    # MiniMind2-small exactly (head_dim 64, FFN 1408): 25,829,888 parameters.
-    "minimind2-small": dict(),
+    "minimind2-small": dict(),  # MiniMind2-small exactly (head_dim 64, FFN 1408): 25,829,888 parameters.
     # Trains visibly in minutes on a laptop CPU; keeps MiniMind's head_dim 64 and 4:1 query:kv head ratio.
     "cpu": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=1,
                 max_position_embeddings=2048),
@@ -89,7 +84,6 @@ PRESETS: dict[str, dict] = {
 # ---- Building blocks
 class RMSNorm(nn.Module):
     """Root-mean-square norm, computed in float32 and cast back before the gain (as MiniMind does)."""
-
     def __init__(self, dim: int, eps: float = 1e-5):
         super().__init__()
         self.eps = eps
@@ -137,53 +131,42 @@ def build_attention_mask(attention_mask: torch.Tensor | None, batch: int, q_len:
                          device: torch.device) -> torch.Tensor | None:
     """The boolean (B, 1, T, past+T) mask for SDPA (True = may attend), or None when plain causal suffices.
 
-    - no mask, or a padding mask that only pads on the right, and no cache: None (SDPA's is_causal=True is faster).
-    - (B, past+T) padding mask (1 = real token): causal with offset AND key is real.
-    - (B, 1, T, past+T) bool block mask (packed documents): used as given.
-    A query row with no allowed key (a pad row) attends to itself, so SDPA never produces NaN there.
+    attention_mask: None, a (B, past+T) padding mask (1 = real token; causal AND key is real) or a
+    (B, 1, T, past+T) bool block mask (packed documents). A row with no allowed key attends to itself (no NaN).
     """
     k_len = past_len + q_len
+    if attention_mask is None and (past_len == 0 or q_len == 1):
+        return None  # plain causal, or one new token that may see every earlier key
+    keys = torch.arange(k_len, device=device)
+    queries = torch.arange(past_len, k_len, device=device)[:, None]  # query i sits at position past+i
     if attention_mask is None:
-        if past_len == 0 or q_len == 1:
-            return None  # causal, or one new token that may see everything before it
-        mask = None
-    elif attention_mask.dim() == 2:
+        return keys <= queries  # (T, K): causal with the cache's offset
+    if attention_mask.dim() == 2:
         if attention_mask.shape != (batch, k_len):
             raise ValueError(f"padding attention_mask has shape {tuple(attention_mask.shape)}, expected (batch, "
                              f"past+seq) = ({batch}, {k_len})")
         if past_len == 0 and is_right_padded(attention_mask):
-            # No padding, or only right padding (what the collators make): real tokens never see a pad under
-            # plain causal attention, so SDPA's fast is_causal path is exact for every real token. Pad positions
-            # then attend to earlier tokens instead of themselves, and their outputs are never trained or read.
+            # Only right padding (what the collators make): under plain causal attention real tokens never see a
+            # pad, so SDPA's fast is_causal path is exact for them (pad outputs are never trained or read).
             return None
-        mask = attention_mask.bool()[:, None, None, :]  # (B, 1, 1, K)
-    elif attention_mask.dim() == 4:
-        if attention_mask.dtype != torch.bool:
-            raise ValueError(f"a 4-D attention_mask must be bool (True = may attend), got {attention_mask.dtype}")
-        if attention_mask.shape[0] != batch or attention_mask.shape[-2:] != (q_len, k_len):
-            raise ValueError(f"block attention_mask has shape {tuple(attention_mask.shape)}, expected "
-                             f"({batch}, 1, {q_len}, {k_len})")
-        return attention_mask | _eye_offset(q_len, k_len, past_len, device)  # pad rows attend to themselves
-    else:
-        raise ValueError(f"attention_mask must be (B, T) padding or (B, 1, T, T) bool, got shape {tuple(attention_mask.shape)}")
-    q_pos = torch.arange(past_len, k_len, device=device)[:, None]
-    causal = torch.arange(k_len, device=device)[None, :] <= q_pos  # (T, K): query i sees keys 0..past+i
-    allowed = causal if mask is None else causal & mask
-    return allowed | _eye_offset(q_len, k_len, past_len, device)  # self, so no row is empty
-
-
-def _eye_offset(q_len: int, k_len: int, offset: int, device) -> torch.Tensor:
-    """(q_len, k_len) bool with True at (i, i + offset)."""
-    return torch.arange(k_len, device=device)[None, :] == (torch.arange(q_len, device=device)[:, None] + offset)
+        # causal AND the key is real; a pad row, with no such key, attends to itself (else SDPA gives NaN)
+        return ((keys <= queries) & attention_mask.bool()[:, None, None, :]) | (keys == queries)
+    if attention_mask.dim() != 4:
+        raise ValueError(f"attention_mask must be (B, T) padding or (B, 1, T, T) bool, got {attention_mask.dim()}-D")
+    if attention_mask.dtype != torch.bool:
+        raise ValueError(f"a 4-D attention_mask must be bool (True = may attend), got {attention_mask.dtype}")
+    if attention_mask.shape[0] != batch or attention_mask.shape[-2:] != (q_len, k_len):
+        raise ValueError(f"block attention_mask has shape {tuple(attention_mask.shape)}, expected "
+                         f"({batch}, 1, {q_len}, {k_len})")
+    return attention_mask | (keys == queries)  # pad rows attend to themselves
 
 
 class Attention(nn.Module):
     """Multi-head self-attention with grouped-query heads, RoPE and an optional KV cache."""
-
     def __init__(self, config: MiniMindConfig):
         super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
-        self.n_rep = self.n_heads // self.n_kv_heads
+        self.n_heads, self.n_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim, self.n_rep = config.head_dim, self.n_heads // self.n_kv_heads
         self.q_proj = nn.Linear(config.hidden_size, self.n_heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(config.hidden_size, self.n_kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(config.hidden_size, self.n_kv_heads * self.head_dim, bias=False)
@@ -203,7 +186,6 @@ class Attention(nn.Module):
         present = (k, v) if use_cache else None
         # (B, H, T, D) for SDPA; the kv heads are repeated to match the query heads.
         q, k, v = q.transpose(1, 2), repeat_kv(k, self.n_rep).transpose(1, 2), repeat_kv(v, self.n_rep).transpose(1, 2)
-        # no mask and no cache: plain causal (the fast path); one cached new token may see every earlier key
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0,
                                            is_causal=mask is None and past_key_value is None)
         y = y.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim)
@@ -212,7 +194,6 @@ class Attention(nn.Module):
 
 class FeedForward(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
-
     def __init__(self, config: MiniMindConfig):
         super().__init__()
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
@@ -226,7 +207,6 @@ class FeedForward(nn.Module):
 
 class MiniMindBlock(nn.Module):
     """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
-
     def __init__(self, config: MiniMindConfig):
         super().__init__()
         self.self_attn = Attention(config)
@@ -243,7 +223,6 @@ class MiniMindBlock(nn.Module):
 
 class MiniMindModel(nn.Module):
     """Embeddings, the stack of blocks and the final norm (MiniMind's ``model.*`` keys)."""
-
     def __init__(self, config: MiniMindConfig):
         super().__init__()
         self.config = config
@@ -252,8 +231,7 @@ class MiniMindModel(nn.Module):
         self.layers = nn.ModuleList([MiniMindBlock(config) for _ in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         cos, sin = precompute_freqs_cis(config.head_dim, config.max_position_embeddings, config.rope_theta)
-        # Not persistent: MiniMind's checkpoints do not contain them (they are recomputed from the config).
-        self.register_buffer("freqs_cos", cos, persistent=False)
+        self.register_buffer("freqs_cos", cos, persistent=False)  # not persistent: not in MiniMind's checkpoints
         self.register_buffer("freqs_sin", sin, persistent=False)
 
     def forward(self, input_ids, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False):
@@ -264,30 +242,27 @@ class MiniMindModel(nn.Module):
             if past_len + t > self.config.max_position_embeddings:
                 raise ValueError(f"sequence of {past_len + t} tokens exceeds max_position_embeddings="
                                  f"{self.config.max_position_embeddings}")
-            cos = self.freqs_cos[past_len : past_len + t]
-            sin = self.freqs_sin[past_len : past_len + t]
+            cos, sin = self.freqs_cos[past_len : past_len + t], self.freqs_sin[past_len : past_len + t]
         else:
             # Packed rows restart positions at every document: look each position up in the table.
             if position_ids.shape[-1] != t:
                 raise ValueError(f"position_ids has shape {tuple(position_ids.shape)}, expected (B, {t}) or ({t},)")
             if int(position_ids.max()) >= self.config.max_position_embeddings or int(position_ids.min()) < 0:
-                raise ValueError(f"position_ids range [{int(position_ids.min())}, {int(position_ids.max())}] is outside "
-                                 f"[0, max_position_embeddings={self.config.max_position_embeddings})")
+                raise ValueError(f"position_ids range [{int(position_ids.min())}, {int(position_ids.max())}] is "
+                                 f"outside [0, max_position_embeddings={self.config.max_position_embeddings})")
             cos, sin = self.freqs_cos[position_ids], self.freqs_sin[position_ids]
         mask = build_attention_mask(attention_mask, b, t, past_len, input_ids.device)
         x = self.dropout(self.embed_tokens(input_ids))
-        presents = [] if use_cache else None
+        presents = []
         for i, layer in enumerate(self.layers):
             x, present = layer(x, cos, sin, mask, past_key_values[i] if past_key_values else None, use_cache)
-            if use_cache:
-                presents.append(present)
-        return self.norm(x), presents
+            presents.append(present)
+        return self.norm(x), presents if use_cache else None
 
 
 @dataclass
 class CausalLMOutput:
     """What MiniMindForCausalLM.forward returns."""
-
     logits: torch.Tensor
     loss: torch.Tensor | None = None
     past_key_values: list | None = None
@@ -299,8 +274,7 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean")
         raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
     if logits.shape[:2] != labels.shape:
         raise ValueError(f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)} disagree on (B, T)")
-    # Shift the labels, not the logits: slicing logits[:, :-1] and flattening would copy all B*T*V of them.
-    # The last position has no next token, so it gets the ignored label.
+    # Shift the labels, not the logits (slicing logits would copy all B*T*V); the last position gets IGNORE_INDEX.
     targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX).reshape(-1)
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets, ignore_index=IGNORE_INDEX,
                            reduction=reduction)
@@ -308,7 +282,6 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean")
 
 class MiniMindForCausalLM(nn.Module):
     """MiniMind2: the model plus the language-model head, whose weight is the embedding matrix (tied)."""
-
     def __init__(self, config: MiniMindConfig | None = None):
         super().__init__()
         self.config = config or MiniMindConfig()
@@ -325,7 +298,8 @@ class MiniMindForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                past_key_values: list | None = None, use_cache: bool = False, logits_to_keep: int = 0) -> CausalLMOutput:
+                past_key_values: list | None = None, use_cache: bool = False,
+                logits_to_keep: int = 0) -> CausalLMOutput:
         """Logits (B, T, V); loss (mean over non -100 shifted labels) when labels are given; KV cache if asked."""
         h, presents = self.model(input_ids, attention_mask, position_ids, past_key_values, use_cache)
         if logits_to_keep:  # generation only needs the last position(s)
@@ -371,14 +345,11 @@ def _clean_state_dict(state: dict, path) -> dict:
     if isinstance(state.get("model"), dict) and not any(isinstance(v, torch.Tensor) for v in state.values()):
         warnings.warn(f"{path}: a training checkpoint; using its 'model' entry", stacklevel=3)
         state = state["model"]
-    stripped = True
-    while stripped:  # prefixes can nest in either order: module._orig_mod.x, _orig_mod.module.x
-        stripped = False
+    while any(k.startswith(_STRIP_PREFIXES) for k in state):  # they nest in either order: module._orig_mod.x
         for prefix in _STRIP_PREFIXES:
             if n := sum(k.startswith(prefix) for k in state):
                 warnings.warn(f"{path}: stripped prefix {prefix!r} from {n} keys (DDP / torch.compile)", stacklevel=3)
                 state = {(k[len(prefix):] if k.startswith(prefix) else k): v for k, v in state.items()}
-                stripped = True
     if dropped := [k for k in state if k in _ROTARY_KEYS]:
         warnings.warn(f"{path}: ignored rotary tables {dropped} (recomputed from the config)", stacklevel=3)
         state = {k: v for k, v in state.items() if k not in _ROTARY_KEYS}
@@ -394,14 +365,13 @@ def check_state_dict(state: dict, model: nn.Module, path="state dict") -> None:
     emb = state.get("model.embed_tokens.weight")
     vocab = expected["model.embed_tokens.weight"].shape[0]
     if isinstance(emb, torch.Tensor) and emb.dim() == 2 and emb.shape[0] != vocab:
-        raise ValueError(f"{path}: vocab size mismatch: checkpoint has {emb.shape[0]} tokens (model.embed_tokens.weight "
-                         f"{list(emb.shape)}), the model has vocab_size={vocab}")
-    for key in expected:
-        if key not in state:
-            raise ValueError(f"{path}: missing key {key!r} (and {sum(k not in state for k in expected) - 1} more)")
-    for key in state:
-        if key not in expected:
-            raise ValueError(f"{path}: unexpected key {key!r} (and {sum(k not in expected for k in state) - 1} more)")
+        raise ValueError(f"{path}: vocab size mismatch: checkpoint has {emb.shape[0]} tokens "
+                         f"(model.embed_tokens.weight {list(emb.shape)}), the model has vocab_size={vocab}")
+    missing, unexpected = [k for k in expected if k not in state], [k for k in state if k not in expected]
+    if missing:
+        raise ValueError(f"{path}: missing key {missing[0]!r} (and {len(missing) - 1} more)")
+    if unexpected:
+        raise ValueError(f"{path}: unexpected key {unexpected[0]!r} (and {len(unexpected) - 1} more)")
     for key, want in expected.items():
         got = state[key]
         if not isinstance(got, torch.Tensor):
@@ -411,8 +381,7 @@ def check_state_dict(state: dict, model: nn.Module, path="state dict") -> None:
 
 
 def load_checkpoint(path, model: nn.Module | None = None, map_location="cpu") -> dict:
-    """The cleaned state dict of a checkpoint (ours or MiniMind's .pth), read with weights_only=True; loaded
-    strictly into `model` if given. DDP / torch.compile prefixes are stripped with a warning."""
+    """The cleaned state dict of a checkpoint (ours or MiniMind's .pth, weights_only); loaded strictly into `model`."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint not found: {path}")

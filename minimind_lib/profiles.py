@@ -1,10 +1,7 @@
 """Profiles, shown in notebook 00_setup: how big every experiment in the course is, chosen once, in one place.
 
 A profile is data: notebooks and the CLI read their sizes from it, so the same notebook runs in seconds in CI
-(``smoke``), in minutes on a laptop (``cpu``) and as the real MiniMind2-small on a GPU (``gpu``).
-"""
-
-from __future__ import annotations
+(``smoke``), in minutes on a laptop (``cpu``) and as the real MiniMind2-small on a GPU (``gpu``)."""
 
 import os
 from dataclasses import asdict, dataclass, replace
@@ -15,7 +12,6 @@ import torch
 @dataclass(frozen=True)
 class Profile:
     """The sizes of one way of running the course: one micro-batch size and one accumulation for every notebook."""
-
     name: str
     model: str  # a preset name for MiniMindConfig.preset
     seq_len: int  # longest row fed to the model, in tokens
@@ -33,8 +29,7 @@ class Profile:
         """Padded tokens (rows x longest row) of one micro-batch: the same memory as batch_size full rows."""
         return self.batch_size * self.seq_len
 
-    def to_dict(self) -> dict:
-        """The profile as a plain dict (for JSON and tables), max_tokens included."""
+    def to_dict(self) -> dict:  # a plain dict for JSON and tables, max_tokens included
         return {**asdict(self), "max_tokens": self.max_tokens}
 
 
@@ -46,10 +41,9 @@ PROFILES: dict[str, Profile] = {
     # 100 x 4 x 1024 = 410k padded tokens (about 2.5 minutes on a quiet 2-core machine), SFT half of that.
     "cpu": Profile(name="cpu", model="cpu", seq_len=256, batch_size=4, accum_steps=4, lr=2e-3,
                    train_steps=60, pretrain_steps=100, sft_steps=50, eval_every=10, max_samples=None),
-    # The real MiniMind2-small (25,829,888 parameters) at MiniMind's sequence length. Sized by the bundled data,
-    # not by a guess of GPU speed: data/pretrain.jsonl is 2.30M tokens at seq 512 (long documents chunked), so
-    # 300 x 2 x 16384 = 9.8M padded tokens is ~4 epochs; data/sft.jsonl is 0.66M tokens, so 50 x 2 x 16384 is
-    # ~2.5 epochs. For real training bring MiniMind's 1.6 GB pretrain file and raise the steps.
+    # The real MiniMind2-small at seq 512, sized by the bundled data (not a guess of GPU speed): data/pretrain.jsonl
+    # is 2.30M tokens, so 300 x 2 x 16384 = 9.8M padded tokens is ~4 epochs; data/sft.jsonl (0.66M tokens): 50 x 2 x
+    # 16384 is ~2.5 epochs. For real training bring MiniMind's 1.6 GB pretrain file and raise the steps.
     "gpu": Profile(name="gpu", model="minimind2-small", seq_len=512, batch_size=32, accum_steps=2, lr=1e-3,
                    train_steps=200, pretrain_steps=300, sft_steps=50, eval_every=25, max_samples=None),
 }
