@@ -1,14 +1,7 @@
 """The command line of notebooks 07_pretrain and 08_sft: `python -m minimind_lib info|pretrain|sft|chat ...`.
 
-It calls the same functions as the notebooks (pipeline.pretrain/sft, generate.chat; no copy of their logic):
-
-  info     [--profile NAME] [--compact]   the device report and the selected profile, as JSON
-  pretrain --data PATH --out DIR [--config minimind2-small] [--max-tokens N] [--accum K]
-           [--amp auto|bf16|fp16|off] [--steps N] [--profile NAME] [--resume]
-  sft      --data PATH --out DIR --init PRETRAIN_DIR [same options]
-  chat     --ckpt DIR [--prompt TEXT] [--temperature T] [--top-p P] [--seed S]
-
-Every bad input (missing/corrupt checkpoint, missing data, tokenizer/model vocab mismatch, --resume with other
+It calls the same functions as the notebooks (pipeline.pretrain/sft, checkpoint.load_run, generate.chat): no copy
+of their logic; `--help` on each command lists its options. Every bad input (missing/corrupt checkpoint, missing data, tokenizer/model vocab mismatch, --resume with other
 settings) prints one clear `error: ...` line on stderr and exits with code 2, before anything in --out is written.
 """
 
@@ -19,13 +12,11 @@ import json
 import os
 import sys
 
+from .checkpoint import load_run
 from .device import device_report
 from .generate import chat
-from .checkpoint import load_run
 from .pipeline import pretrain, sft
 from .profiles import get_profile
-
-EXIT_BAD_INPUT = 2
 
 
 def _add_train_args(p: argparse.ArgumentParser, stage: str) -> None:
@@ -75,9 +66,8 @@ def cmd_info(args: argparse.Namespace) -> int:
 def _print_summary(result) -> None:
     # Under torchrun every rank returns; only rank 0 has the whole summary (the process group is gone by now,
     # so ask torchrun's environment rather than torch.distributed).
-    if os.environ.get("RANK", "0") != "0":
-        return
-    print(json.dumps({"out": str(result.out_dir), **result.summary}, indent=2, default=str))
+    if os.environ.get("RANK", "0") == "0":
+        print(json.dumps({"out": str(result.out_dir), **result.summary}, indent=2, default=str))
 
 
 def cmd_pretrain(args: argparse.Namespace) -> int:
@@ -156,19 +146,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def run(args: argparse.Namespace) -> int:
-    """Run a parsed command; bad input becomes `error: ...` on stderr and exit code 2."""
+def main(argv: list[str] | None = None) -> int:
+    """Parse argv and run the command; bad input becomes `error: ...` on stderr and exit code 2."""
+    args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError, FileExistsError, RuntimeError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Parse argv and run the command."""
-    return run(build_parser().parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+        return 2

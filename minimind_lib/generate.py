@@ -34,8 +34,7 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_p: float = 1
         drop = cum - sorted_logits.softmax(-1) >= top_p  # tokens entirely beyond the nucleus; the first stays
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
-    probs = logits.softmax(-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)
 
 
 @torch.no_grad()
@@ -121,12 +120,10 @@ def generate(model: nn.Module, tokenizer, prompt: str, max_new_tokens: int = 64,
     bos = getattr(tokenizer, "bos_token_id", None)
     if add_bos and bos is not None and (not ids or ids[0] != bos):
         ids = [bos] + ids  # the pretraining samples start with bos
-    if stop_token_ids is None:
-        eos = getattr(tokenizer, "eos_token_id", None)
-        stop_token_ids = [] if eos is None else [eos]
-    stream_cb = TextStream(tokenizer, stream) if stream is not None else None
+    if stop_token_ids is None:  # the end of a document (eos), if the tokenizer has one
+        stop_token_ids = [tokenizer.eos_token_id] if getattr(tokenizer, "eos_token_id", None) is not None else []
     new = generate_ids(model, torch.tensor(ids, dtype=torch.long), max_new_tokens, temperature, top_p, top_k,
-                       seed, use_cache, stop_token_ids, stream_cb)
+                       seed, use_cache, stop_token_ids, TextStream(tokenizer, stream) if stream is not None else None)
     return tokenizer.decode(new[0].tolist(), skip_special_tokens=True)
 
 
