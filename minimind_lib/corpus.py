@@ -22,7 +22,7 @@ import torch
 from tqdm import tqdm  # a text bar: an executed notebook keeps its final state, not a widget's first
 
 from .fileio import atomic_open, atomic_write_text
-from .tokenizer import ROLES
+from .tokenizer import ROLES, check_text
 
 KINDS = ("pretrain", "sft")
 PAYLOAD = {"pretrain": "text", "sft": "conversations"}  # the key of a record that holds its sample
@@ -47,10 +47,7 @@ def _check_text(text: Any, where: str, allow_blank: bool = False) -> None:
         raise ValueError(f"{where} must be a string, got {type(text).__name__}")
     if not allow_blank and not text.strip():
         raise ValueError(f"{where} is empty ({text!r}): nothing to train on")
-    try:  # JSON may spell lone surrogates ("\\ud800"), which have no UTF-8 bytes and so no tokens
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise ValueError(f"{where} holds a lone surrogate {text[e.start]!r} at index {e.start} (not valid Unicode)") from None
+    check_text(text, where)  # JSON may spell lone surrogates ("\\ud800"): no UTF-8 bytes, so no tokens
 
 
 def validate_record(record: Any, kind: str) -> None:
