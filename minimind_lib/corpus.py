@@ -22,7 +22,7 @@ import torch
 from tqdm import tqdm  # a text bar: an executed notebook keeps its final state, not a widget's first
 
 from .fileio import atomic_open, atomic_write_text
-from .tokenizer import ROLES
+from .tokenizer import ROLES, check_text
 
 KINDS = ("pretrain", "sft")
 PAYLOAD = {"pretrain": "text", "sft": "conversations"}  # the key of a record that holds its sample
@@ -47,10 +47,7 @@ def _check_text(text: Any, where: str, allow_blank: bool = False) -> None:
         raise ValueError(f"{where} must be a string, got {type(text).__name__}")
     if not allow_blank and not text.strip():
         raise ValueError(f"{where} is empty ({text!r}): nothing to train on")
-    try:  # JSON may spell lone surrogates ("\\ud800"), which have no UTF-8 bytes and so no tokens
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise ValueError(f"{where} holds a lone surrogate {text[e.start]!r} at index {e.start} (not valid Unicode)") from None
+    check_text(text, where)  # JSON may spell lone surrogates ("\\ud800"): no UTF-8 bytes, so no tokens
 
 
 def validate_record(record: Any, kind: str) -> None:
@@ -70,9 +67,8 @@ def validate_record(record: Any, kind: str) -> None:
     for t, turn in enumerate(conv):
         if not isinstance(turn, dict):
             raise ValueError(f"conversations[{t}] must be an object, got {turn!r:.80}")
-        for key in ("role", "content"):
-            if key not in turn:
-                raise ValueError(f"conversations[{t}] is missing key {key!r}; keys: {sorted(turn)}")
+        if missing := [key for key in ("role", "content") if key not in turn]:
+            raise ValueError(f"conversations[{t}] is missing key {missing[0]!r}; keys: {sorted(turn)}")
         if turn["role"] not in ROLES:
             raise ValueError(f"conversations[{t}]['role'] = {turn['role']!r} is not one of {list(ROLES)}")
         if turn["role"] == "system" and t != 0:
@@ -97,8 +93,7 @@ def _parse_line(raw: bytes, kind: str | None) -> Any:
 
 
 class JsonlReader:
-    """The records of a jsonl file: on_error='raise' stops at the first bad line (file:line), 'skip' skips and counts
-    it (and warns); counts the lines read, skipped and found blank."""
+    """A jsonl file's records; a bad line raises (file:line), or with on_error='skip' is skipped, counted, warned of."""
 
     def __init__(self, path: str | os.PathLike, on_error: str = "raise", kind: str | None = None,
                  max_samples: int | None = None):
@@ -169,18 +164,12 @@ def assistant_mask(tokenizer, ids: Sequence[int]) -> np.ndarray:
     the ``\\n`` after it (MiniMind trains it; generation stops at <|im_end|>). Anchored on the atomic special tokens."""
     ids, header = [int(i) for i in ids], list(tokenizer.encode("assistant\n", add_special_tokens=False))
     n, bos, eos = len(ids), tokenizer.bos_token_id, tokenizer.eos_token_id
-    mask, i = np.zeros(n, dtype=np.uint8), 0
-    while i < n:
-        if ids[i] != bos:
-            i += 1
-            continue
+    mask = np.zeros(n, dtype=np.uint8)
+    for i in [k for k, t in enumerate(ids) if t == bos]:  # every turn starts at an <|im_start|>
         role, start = _read_role(tokenizer, ids, i, header)
-        end = start
-        while end < n and ids[end] not in (bos, eos):
-            end += 1
+        end = next((k for k in range(start, n) if ids[k] in (bos, eos)), n)  # the turn's <|im_end|> (or next start)
         if role == "assistant":
-            mask[start:min(end + 1, n)] = 1  # content + <|im_end|> (end is its index when present)
-        i = end if end < n and ids[end] == bos else end + 1
+            mask[start:end + 1] = 1  # content + <|im_end|> (end is its index when present)
     return mask
 
 
@@ -255,7 +244,6 @@ def tokenize_reader(reader: JsonlReader, tokenizer, chunk_size: int, num_workers
 @dataclass
 class MemmapInfo:
     """What tokenize_to_memmap wrote (or found fresh and reused)."""
-
     prefix: str
     kind: str
     n_samples: int
@@ -279,11 +267,9 @@ _PROBE_CHAT = [{"role": "system", "content": "s"}, {"role": "user", "content": "
 
 def tokenizer_fingerprint(tokenizer) -> str:
     """A short hash that changes when the tokenizer (vocab, merges, special ids or chat template) changes."""
-    h = hashlib.sha256()
     candidates = [tokenizer] + [getattr(tokenizer, a, None) for a in ("backend", "backend_tokenizer", "_tokenizer", "hf")]
     backend = next((c for c in candidates if hasattr(c, "to_str")), None)
-    if backend is not None:
-        h.update(backend.to_str().encode())
+    h = hashlib.sha256(backend.to_str().encode() if backend is not None else b"")
     h.update(json.dumps([int(tokenizer.vocab_size), tokenizer.bos_token_id, tokenizer.eos_token_id,
                          tokenizer.pad_token_id, list(tokenizer.encode(_PROBE_TEXT, add_special_tokens=False))]).encode())
     with contextlib.suppress(Exception):  # a tokenizer without a chat template is fine for pretrain data
@@ -303,9 +289,8 @@ def _cache_key(jsonl_path: str | os.PathLike, tokenizer, kind: str, max_samples:
 def memmap_is_fresh(out_prefix: str | os.PathLike, jsonl_path: str | os.PathLike, tokenizer, kind: str = "pretrain",
                     max_samples: int | None = None, on_error: str = "raise") -> tuple[bool, str]:
     """(fresh, reason): whether the memmap at out_prefix matches this source file, tokenizer and settings."""
-    prefix = str(out_prefix)
     try:
-        meta = read_memmap_meta(prefix)
+        meta = read_memmap_meta(str(out_prefix))
     except (OSError, ValueError) as e:  # no cache yet, unreadable, or of another format (JSONDecodeError: ValueError)
         return False, str(e)
     for key, value in _cache_key(jsonl_path, tokenizer, kind, max_samples, on_error).items():
@@ -313,7 +298,7 @@ def memmap_is_fresh(out_prefix: str | os.PathLike, jsonl_path: str | os.PathLike
             return False, f"{key} changed (cache: {meta.get(key)!r:.120}, now: {value!r:.120})"
     sizes = {".bin": 2 * meta["n_tokens"], ".idx.npy": None, **({".mask.bin": meta["n_tokens"]} if kind == "sft" else {})}
     for ext, size in sizes.items():
-        p = Path(prefix + ext)
+        p = Path(f"{out_prefix}{ext}")
         if not p.is_file() or (size is not None and p.stat().st_size != size):
             return False, f"{p.name} missing or of the wrong size"
     return True, "up to date"
@@ -324,12 +309,6 @@ def default_num_workers() -> int:
     # processes also parallelize the Python side (chat template, SFT mask), which Rust threads cannot
     n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, min(n, 8))
-
-
-def _memmap_info(prefix: str, reused: bool, seconds: float, num_workers: int) -> MemmapInfo:
-    meta = read_memmap_meta(prefix)
-    return MemmapInfo(prefix, meta["kind"], meta["n_samples"], meta["n_tokens"], meta["n_skipped"], meta["n_blank"],
-                      reused, seconds, num_workers, meta.get("skipped_examples", []))
 
 
 def tokenize_to_memmap(jsonl_path: str | os.PathLike, tokenizer, out_prefix: str | os.PathLike,
@@ -345,34 +324,37 @@ def tokenize_to_memmap(jsonl_path: str | os.PathLike, tokenizer, out_prefix: str
                          f"(max {MAX_UINT16_VOCAB}); this memmap format is for small vocabularies like MiniMind's 6400")
     prefix, t0 = str(out_prefix), time.perf_counter()
     num_workers = default_num_workers() if num_workers is None else int(num_workers)
-    if not force and memmap_is_fresh(prefix, jsonl_path, tokenizer, kind, max_samples, on_error)[0]:
-        return _memmap_info(prefix, True, time.perf_counter() - t0, num_workers)
-    key = _cache_key(jsonl_path, tokenizer, kind, max_samples, on_error)
-    Path(prefix + ".json").unlink(missing_ok=True)  # a half-rebuilt cache must never look finished
-    offsets, max_id = [np.zeros(1, np.int64)], -1
-    bar = tqdm(total=key["source"]["size"], unit="B", unit_scale=True, desc=f"tokenize {reader.path.name}",
-               disable=not progress)
-    chunks = tokenize_reader(reader, tokenizer, chunk_size, num_workers)
-    # atomic_open writes beside the target and renames on success: an error leaves no half-written file
-    with bar, contextlib.closing(chunks), atomic_open(prefix + ".bin") as fbin, \
-            (atomic_open(prefix + ".mask.bin") if kind == "sft" else contextlib.nullcontext()) as fmask:
-        for ids, lengths, mask in chunks:
-            max_id = max(max_id, int(ids.max(initial=-1)))
-            if max_id > MAX_UINT16_VOCAB:
-                raise ValueError(f"{reader.path}: token id {max_id} does not fit uint16")
-            fbin.write(ids.astype(np.uint16).tobytes())
-            if fmask is not None:
-                fmask.write(mask.astype(np.uint8).tobytes())
-            offsets.append(offsets[-1][-1] + np.cumsum(lengths))
-            bar.update(reader.n_bytes - bar.n)
-    offsets = np.concatenate(offsets)
-    with atomic_open(prefix + ".idx.npy") as fidx:
-        np.save(fidx, offsets)
-    meta = {**key, "n_samples": len(offsets) - 1, "n_tokens": int(offsets[-1]), "max_token_id": max_id,
-            **reader.counts(), "seconds": round(time.perf_counter() - t0, 3), "num_workers": num_workers,
-            "chunk_size": chunk_size, "dtype": "uint16", "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    atomic_write_text(prefix + ".json", json.dumps(meta, indent=1, ensure_ascii=False))
-    return _memmap_info(prefix, False, meta["seconds"], num_workers)
+    reused = not force and memmap_is_fresh(prefix, jsonl_path, tokenizer, kind, max_samples, on_error)[0]
+    if not reused:
+        key = _cache_key(jsonl_path, tokenizer, kind, max_samples, on_error)
+        Path(prefix + ".json").unlink(missing_ok=True)  # a half-rebuilt cache must never look finished
+        offsets, max_id = [np.zeros(1, np.int64)], -1
+        bar = tqdm(total=key["source"]["size"], unit="B", unit_scale=True, desc=f"tokenize {reader.path.name}",
+                   disable=not progress)
+        chunks = tokenize_reader(reader, tokenizer, chunk_size, num_workers)
+        # atomic_open writes beside the target and renames on success: an error leaves no half-written file
+        with bar, contextlib.closing(chunks), atomic_open(prefix + ".bin") as fbin, \
+                (atomic_open(prefix + ".mask.bin") if kind == "sft" else contextlib.nullcontext()) as fmask:
+            for ids, lengths, mask in chunks:
+                max_id = max(max_id, int(ids.max(initial=-1)))
+                if max_id > MAX_UINT16_VOCAB:
+                    raise ValueError(f"{reader.path}: token id {max_id} does not fit uint16")
+                fbin.write(ids.astype(np.uint16).tobytes())
+                if fmask is not None:
+                    fmask.write(mask.astype(np.uint8).tobytes())
+                offsets.append(offsets[-1][-1] + np.cumsum(lengths))
+                bar.update(reader.n_bytes - bar.n)
+        offsets = np.concatenate(offsets)
+        with atomic_open(prefix + ".idx.npy") as fidx:
+            np.save(fidx, offsets)
+        meta = {**key, "n_samples": len(offsets) - 1, "n_tokens": int(offsets[-1]), "max_token_id": max_id,
+                **reader.counts(), "seconds": round(time.perf_counter() - t0, 3), "num_workers": num_workers,
+                "chunk_size": chunk_size, "dtype": "uint16",
+                "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        atomic_write_text(prefix + ".json", json.dumps(meta, indent=1, ensure_ascii=False))
+    meta, seconds = read_memmap_meta(prefix), time.perf_counter() - t0
+    return MemmapInfo(prefix, kind, meta["n_samples"], meta["n_tokens"], meta["n_skipped"], meta["n_blank"], reused,
+                      seconds if reused else meta["seconds"], num_workers, meta.get("skipped_examples", []))
 
 
 def read_memmap_meta(prefix: str) -> dict:

@@ -1,11 +1,9 @@
-"""Datasets and batches, built in notebook 02_data: token ids -> {"input_ids", "labels"} samples -> padded batches.
-
-``PretrainDataset`` / ``SFTDataset`` read a jsonl file or a ``corpus`` memmap, cut documents longer than seq_len
-(truncated or chunked, counted in ``dataset.stats``) and label with IGNORE_INDEX what is not trained (SFT: all but
-the assistant's words); ``pad_collate`` pads samples into ``(B, T)`` batches."""
+"""Datasets and batches, built in notebook 02_data: a jsonl file or ``corpus`` memmap -> {"input_ids", "labels"}
+samples (cut at seq_len, counted in ``stats``; untrained tokens labelled IGNORE_INDEX) -> ``pad_collate`` batches."""
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -34,7 +32,6 @@ def make_sample(ids: np.ndarray, mask: np.ndarray | None, seq_len: int) -> dict[
 @dataclass
 class DataStats:
     """What a dataset read, skipped and truncated (nothing is dropped without being counted here)."""
-
     n_samples: int = 0  # samples (rows) the dataset serves
     n_skipped: int = 0  # input lines skipped with on_error="skip"
     n_blank: int = 0  # blank input lines (hold no sample)
@@ -65,13 +62,9 @@ class DataStats:
 
 
 class _TokenDataset(Dataset):
-    """Documents as flat token ids + offsets (+ the SFT mask), from a jsonl file (in memory or tokenized lazily) or a
-    memmap, cut into rows with labels, lengths and stats: a document longer than seq_len is truncated ("truncate",
-    MiniMind's way: the rest is lost, and counted) or, pretraining only, chunked ("chunk") into rows of seq_len
-    tokens overlapping by one, so every next-token target is trained exactly once."""
-
-    kind = "pretrain"
-
+    """Documents as flat token ids + offsets (+ the SFT mask) from a jsonl file or a memmap, cut into rows: a document
+    longer than seq_len is truncated ("truncate", MiniMind's way: the rest is lost, and counted) or, pretraining only,
+    chunked ("chunk") into rows of seq_len tokens overlapping by one: every next-token target is trained once."""
     def __init__(self, source, tokenizer, seq_len: int, *, on_error: str = "raise", max_samples: int | None = None,
                  vocab_size: int | None = None, lazy: bool = False, long_docs: str = "truncate"):
         if int(seq_len) < 2:
@@ -81,7 +74,7 @@ class _TokenDataset(Dataset):
             raise ValueError(f"long_docs='chunk' is for pretraining text; a {self.kind} sample is one conversation "
                              f"and is truncated, never split")
         self.seq_len, self.long_docs, self.tokenizer, self.lazy = int(seq_len), long_docs, tokenizer, lazy
-        self._lengths = self._stats = self._rows = self._tokens = self._mask = self._pid = self.prefix = None
+        self._rows = self._tokens = self._mask = self._pid = self.prefix = None
         if vocab_size is not None and tokenizer is not None:  # a memmap's ids are checked against it too
             check_vocab(tokenizer, vocab_size)
         source = source.prefix if isinstance(source, _TokenDataset) and source.prefix else source  # same memmap
@@ -164,49 +157,40 @@ class _TokenDataset(Dataset):
             return make_sample(self.raw(doc)[0][start:start + self.seq_len], None, self.seq_len)
         return make_sample(*self.raw(index), self.seq_len)
 
-    @property
+    @functools.cached_property
     def lengths(self) -> np.ndarray:
         """Per-sample token lengths after truncation or chunking (what token-budget batching needs)."""
-        if self._lengths is None:
-            raw, rows = self.raw_lengths(), (self._row_index() if self.long_docs == "chunk" else None)
-            self._lengths = np.minimum(raw if rows is None else raw[rows[:, 0]] - rows[:, 1], self.seq_len)
-        return self._lengths
+        raw, rows = self.raw_lengths(), (self._row_index() if self.long_docs == "chunk" else None)
+        return np.minimum(raw if rows is None else raw[rows[:, 0]] - rows[:, 1], self.seq_len)
 
-    @property
+    @functools.cached_property
     def stats(self) -> DataStats:
         """Counts of documents, samples, skipped lines, truncated or chunked documents and tokens."""
-        if self._stats is None:
-            raw, chunk = self.raw_lengths(), self.long_docs == "chunk"
-            over = raw > self.seq_len
-            self._stats = DataStats(
-                n_samples=len(self), n_documents=len(raw), n_tokens=int(self.lengths.sum()), **self.read_counts,
-                n_truncated=0 if chunk else int(over.sum()), n_chunked=int(over.sum()) if chunk else 0,
-                truncated_tokens=0 if chunk else int((raw[over] - self.seq_len).sum()))
-            if self.kind == "sft":  # trained tokens after truncation: position 0 is never a target after the shift
-                trained = [int(np.count_nonzero(self.raw(i)[1][:self.seq_len][1:])) for i in range(self.n_documents())]
-                self._stats.n_trained_tokens, self._stats.n_no_target = sum(trained), trained.count(0)
-        return self._stats
+        raw, chunk = self.raw_lengths(), self.long_docs == "chunk"
+        over = raw > self.seq_len
+        stats = DataStats(n_samples=len(self), n_documents=len(raw), n_tokens=int(self.lengths.sum()),
+                          n_truncated=0 if chunk else int(over.sum()), n_chunked=int(over.sum()) if chunk else 0,
+                          truncated_tokens=0 if chunk else int((raw[over] - self.seq_len).sum()), **self.read_counts)
+        if self.kind == "sft":  # trained tokens after truncation: position 0 is never a target after the shift
+            trained = [int(np.count_nonzero(self.raw(i)[1][:self.seq_len][1:])) for i in range(self.n_documents())]
+            stats.n_trained_tokens, stats.n_no_target = sum(trained), trained.count(0)
+        return stats
 
 
 class PretrainDataset(_TokenDataset):
-    """MiniMind pretrain samples: input_ids = ([bos] + tokens + [eos])[:seq_len], labels = input_ids.
-
-    `source`: a jsonl path (tokenized once in memory; lazy=True: in __getitem__, like MiniMind), a memmap prefix or a
-    memmap-backed dataset (its memmap at this seq_len). Truncation is a plain cut (no fake <|im_end|>)."""
-
+    """MiniMind pretrain samples: input_ids = ([bos] + tokens + [eos])[:seq_len], labels = input_ids. `source`: a jsonl
+    path (tokenized at once in memory; lazy=True: in __getitem__, like MiniMind), a memmap prefix or a memmap-backed
+    dataset (its memmap at this seq_len). Truncation is a plain cut (no fake <|im_end|>)."""
     kind = "pretrain"
 
 
 class SFTDataset(_TokenDataset):
     """MiniMind SFT samples: the chat template's ids; labels = ids on assistant content + <|im_end|>, else -100."""
-
     kind = "sft"
 
 
 class MemmapDataset(_TokenDataset):
-    """The samples of `tokenize_to_memmap` files, of the kind they hold, without a tokenizer: np.memmap reads
-    them in constant memory, mapped lazily in each process (DataLoader workers get their own maps)."""
-
+    """The samples of `tokenize_to_memmap` files, of either kind, without a tokenizer: np.memmap, mapped per process."""
     def __init__(self, prefix: str | os.PathLike, seq_len: int, long_docs: str = "truncate"):
         self.kind = read_memmap_meta(str(prefix))["kind"]
         super().__init__(str(prefix), None, seq_len, long_docs=long_docs)
@@ -226,8 +210,7 @@ def pad_collate(samples: Sequence[dict], pad_id: int = 0, seq_len: int | None = 
     labels = torch.full((len(rows), length), IGNORE_INDEX, dtype=torch.long)
     attention_mask = torch.zeros((len(rows), length), dtype=torch.long)
     for r, (ids, lab) in enumerate(rows):
-        input_ids[r, :len(ids)] = torch.as_tensor(ids)
-        labels[r, :len(ids)] = torch.as_tensor(lab)
+        input_ids[r, :len(ids)], labels[r, :len(ids)] = torch.as_tensor(ids), torch.as_tensor(lab)
         attention_mask[r, :len(ids)] = 1
     return {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}
 

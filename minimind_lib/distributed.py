@@ -1,16 +1,12 @@
-"""Data parallelism with torchrun + DistributedDataParallel (NCCL or gloo). Built in notebook 09_beyond_one_gpu.
-
-`setup` starts the process group from torchrun's environment (without torchrun: one process, plain training). The
-sampler defines the optimizer steps once for any number of ranks and deals each step's micro-batches to the ranks.
-`DDPController` all-reduces the step's trained-token count before any backward, so every rank divides by the same
-N; train.accumulate_step multiplies by world_size (DDP averages) and runs no_sync() on all but the last micro-batch.
-"""
+"""Data parallelism with torchrun + DistributedDataParallel (NCCL or gloo), built in notebook 09_beyond_one_gpu:
+`setup` reads torchrun's environment (without torchrun: one process), a sampler deals each global step's micro-batches
+to the ranks, and `DDPController` all-reduces the step's trained-token count before any backward, so every rank
+divides by the same N (train.accumulate_step multiplies by world_size, as DDP averages, and uses no_sync())."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Iterator, Sequence
 
@@ -26,7 +22,7 @@ from .device import get_device
 from .memory import MemoryMeter
 from .train import all_reduce_sum, fit, world_size
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class DistInfo:
     """Where this process sits in the job: rank, world size, local rank, its device and the backend."""
     rank: int = 0
@@ -62,9 +58,8 @@ def setup(backend: str | None = None, device: torch.device | str | None = None, 
     rank, world, local = env_ranks()
     if world == 1:
         return DistInfo(device=torch.device(device) if device is not None else get_device())
-    for name in ("MASTER_ADDR", "MASTER_PORT"):
-        if not os.environ.get(name):
-            raise ValueError(f"WORLD_SIZE={world} but {name} is not set: launch with torchrun, or set it yourself")
+    if missing := [name for name in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name)]:
+        raise ValueError(f"WORLD_SIZE={world} but {missing[0]} is not set: launch with torchrun, or set it yourself")
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend not in ("nccl", "gloo"):
         raise ValueError(f"backend={backend!r}; choose 'nccl' (CUDA) or 'gloo' (CPU)")
@@ -104,9 +99,8 @@ def assign_to_ranks(costs: Sequence[float], n_ranks: int) -> list[list[int]]:
 
 
 class DistributedTokenBudgetSampler:
-    """Token-budget micro-batches in global optimizer steps (`accum_steps` each), every step dealt to the ranks.
-    Yields per step this rank's micro-batches (index lists, or samples of `dataset`), maybe none; every rank yields
-    the same number of steps, every sample is on one rank per epoch. num_replicas=1 is the one-process run."""
+    """Global steps of `accum_steps` token-budget micro-batches, each dealt to the ranks: yields this rank's share per
+    step (index lists or `dataset` samples, maybe none); all ranks yield as many steps, each sample on one rank."""
 
     def __init__(self, lengths: Sequence[int] | np.ndarray, max_tokens: int, accum_steps: int, *,
                  num_replicas: int = 1, rank: int = 0, seed: int = 0, seq_len: int | None = None,
@@ -200,13 +194,11 @@ class DDPController:
         self.step = int(state["step"])
 
 
-def fit_distributed(model: nn.Module, step_source: Any, cfg: Any, *, info: DistInfo | None = None,
-                    val_batches: Any = None, pad_id: int = 0, resume_from: Any = None,
-                    callbacks: Sequence[Callable] | None = None, grad_callback: Callable | None = None,
-                    comm_hook: tuple[Any, Callable] | None = None) -> Any:
-    """train.fit under DDP on this rank's steps (distributed_step_source); rank 0 alone logs, validates and writes.
-
-    Every rank returns the same global losses. comm_hook=(state, hook) replaces DDP's all-reduce (to count it)."""
+def fit_distributed(model: nn.Module, step_source: Any, cfg: Any, *, info: DistInfo | None = None, pad_id: int = 0,
+                    val_batches: Any = None, resume_from: Any = None, callbacks: Sequence[Callable] | None = None,
+                    grad_callback: Callable | None = None, comm_hook: tuple[Any, Callable] | None = None) -> Any:
+    """train.fit under DDP on this rank's steps (distributed_step_source); rank 0 alone logs, validates and writes;
+    every rank returns the same global losses. comm_hook=(state, hook) replaces DDP's all-reduce (to count it)."""
     info = info or setup()
     ddp_model = wrap_ddp(model.to(info.device), info)
     if comm_hook is not None and ddp_model is not model:

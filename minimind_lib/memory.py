@@ -1,14 +1,11 @@
 """Memory, built in notebook 03_model: measure it (MemoryMeter, CUDA and CPU), impose a budget, predict it.
 
-On CUDA the caching allocator keeps exact counters (``torch.cuda.max_memory_allocated``). A CPU has no such
-counters, so on CPU the meter asks PyTorch itself: inside ``with meter.track(...)`` a TorchDispatchMode sees
-every op's output tensors, records each new storage's bytes, and subtracts them when the storage is freed
-(a weakref callback). Tensors that existed before tracking (parameters, gradients, optimizer states, the
-batch) are registered by walking the objects passed to ``track``. No RSS guesswork: the numbers are live
-tensor bytes, the same quantity ``torch.cuda.memory_allocated`` reports (minus the allocator's rounding).
-MPS is measured the same way as the CPU. What the meter cannot see: scratch memory inside one kernel, and
-tensors created outside ``track`` that were not passed to it.
-"""
+CUDA's caching allocator keeps exact counters (``torch.cuda.max_memory_allocated``). A CPU (or MPS) has none, so
+inside ``with meter.track(...)`` a TorchDispatchMode sees every op's outputs, adds each new storage's bytes and
+subtracts them when a weakref says the storage is freed; tensors that existed before (parameters, gradients,
+optimizer states, the batch) are found by walking the objects passed to ``track``. No RSS guesswork: live tensor
+bytes, what ``torch.cuda.memory_allocated`` reports. Unseen: scratch memory inside a kernel, and tensors created
+outside ``track`` that were not passed to it."""
 
 from __future__ import annotations
 
@@ -46,33 +43,24 @@ class _LiveBytes(TorchDispatchMode):
         before = meter._current
         # Fast paths for the common shapes of op outputs (a tensor, a flat tuple/list); pytree for the rest.
         if isinstance(out, torch.Tensor):
-            meter._add(out)
+            flat = (out,)
         elif isinstance(out, (tuple, list)) and all(isinstance(t, torch.Tensor) or t is None for t in out):
-            for t in out:
-                if t is not None:
-                    meter._add(t)
+            flat = out
         else:
-            for t in tree_flatten(out)[0]:
-                if isinstance(t, torch.Tensor):
-                    meter._add(t)
+            flat = tree_flatten(out)[0]
+        for t in flat:
+            if isinstance(t, torch.Tensor):
+                meter._add(t)
         if meter._current > before:
-            meter._peak = max(meter._peak, meter._current)
-            if meter.budget_bytes is not None and meter._current > meter.budget_bytes:
-                request = meter._current - before
-                raise OutOfMemory(
-                    f"{meter.device.type.upper()} out of memory (MemoryMeter budget): {func} tried to allocate "
-                    f"{request} bytes ({_fmt(request)}); live {meter._current} bytes ({_fmt(meter._current)}) "
-                    f"exceeds the budget of {meter.budget_bytes} bytes ({_fmt(meter.budget_bytes)})")
+            meter._check_budget(before, f"{func} tried to allocate")
         return out
 
 
 class MemoryMeter:
     """Current and peak memory of one device; on CPU measured inside ``with meter.track(model, optimizer):``.
 
-    budget_bytes: on CUDA, ``torch.cuda.set_per_process_memory_fraction(budget / total)`` (the allocator raises
-    torch.OutOfMemoryError); on CPU, ``OutOfMemory`` is raised by the first op whose output takes tracked live
-    bytes over the budget.
-    """
+    budget_bytes: on CUDA a per-process memory fraction (the allocator raises torch.OutOfMemoryError); on CPU the
+    first op whose output takes the tracked live bytes over it raises ``OutOfMemory``."""
 
     def __init__(self, device: torch.device | str = "cpu", budget_bytes: int | None = None):
         self.device = torch.device(device)
@@ -115,24 +103,27 @@ class MemoryMeter:
     def _free(self, key: int) -> None:
         self._current -= self._storages.pop(key, (None, 0))[1]
 
+    def _check_budget(self, before: int, what: str) -> None:
+        """Update the peak; raise OutOfMemory if `what` took the live bytes from `before` over the budget."""
+        self._peak = max(self._peak, self._current)
+        if self.budget_bytes is not None and self._current > max(self.budget_bytes, before):
+            new, live, budget = self._current - before, self._current, self.budget_bytes
+            raise OutOfMemory(f"{self.device.type.upper()} out of memory (MemoryMeter budget): {what} {new} bytes "
+                              f"({_fmt(new)}); live {live} bytes ({_fmt(live)}) exceeds the budget of {budget} bytes "
+                              f"({_fmt(budget)})")
+
     def register(self, *objs: Any) -> None:
         """Count tensors that exist already: modules (params, buffers, grads), optimizers, tensors, containers."""
         before = self._current
         for obj in objs:
             for t in _tensors_of(obj):
                 self._add(t)
-        self._peak = max(self._peak, self._current)
-        if self.budget_bytes is not None and self._current > self.budget_bytes and self._current > before:
-            raise OutOfMemory(
-                f"CPU out of memory (MemoryMeter budget): registered tensors need {self._current} bytes "
-                f"({_fmt(self._current)}), over the budget of {self.budget_bytes} bytes ({_fmt(self.budget_bytes)})")
+        self._check_budget(before, "registered tensors need")
 
     @contextlib.contextmanager
     def track(self, *objs: Any) -> Iterator["MemoryMeter"]:
-        """Measure the code inside; `objs` (model, optimizer, batch tensors) are walked first so they count.
-
-        Pass the model and optimizer on every call (a training loop does): their gradients and optimizer
-        states may have been created since the last call. On CUDA this just yields (the allocator counts)."""
+        """Measure the code inside; `objs` (model, optimizer, batch) are walked first so they count: pass them on
+        every call, as new gradients and optimizer states may exist since the last. On CUDA the allocator counts."""
         if not self.is_cuda:
             self.register(*objs)
         with contextlib.nullcontext() if self.is_cuda else _LiveBytes(self):
@@ -181,26 +172,23 @@ def _tensors_of(obj: Any) -> Iterator[torch.Tensor]:
                 yield from _tensors_of(p)
         for state in obj.state.values():
             yield from (v for v in state.values() if isinstance(v, torch.Tensor))
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _tensors_of(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
+    elif isinstance(obj, (dict, list, tuple)):
+        for v in obj.values() if isinstance(obj, dict) else obj:
             yield from _tensors_of(v)
 
 
 # ---- Prediction: what one training step holds, counted from the model's shapes
 _AMP_BYTES = {"off": 4, "bf16": 2, "fp16": 2}
-_OPTIMIZERS = {"adamw": (2, lambda ps: torch.optim.AdamW(ps, lr=1e-3)), "adam": (2, lambda ps: torch.optim.Adam(ps, lr=1e-3)),
-               "sgd": (0, lambda ps: torch.optim.SGD(ps, lr=1e-3)),
-               "sgd_momentum": (1, lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9))}  # (fp32 states per param, make)
+_OPTIMIZERS = {  # name: (fp32 states per parameter, how to make one)
+    "adamw": (2, lambda ps: torch.optim.AdamW(ps, lr=1e-3)), "adam": (2, lambda ps: torch.optim.Adam(ps, lr=1e-3)),
+    "sgd": (0, lambda ps: torch.optim.SGD(ps, lr=1e-3)),
+    "sgd_momentum": (1, lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9))}
 
 
 def _check_step_args(batch_size: int, seq_len: int, amp: str, optimizer: str) -> None:
-    if amp not in _AMP_BYTES:
-        raise ValueError(f"amp must be one of {sorted(_AMP_BYTES)}, got {amp!r}")
-    if optimizer not in _OPTIMIZERS:
-        raise ValueError(f"optimizer must be one of {sorted(_OPTIMIZERS)}, got {optimizer!r}")
+    for name, value, choices in (("amp", amp, _AMP_BYTES), ("optimizer", optimizer, _OPTIMIZERS)):
+        if value not in choices:
+            raise ValueError(f"{name} must be one of {sorted(choices)}, got {value!r}")
     if batch_size <= 0 or seq_len <= 0:
         raise ValueError(f"batch_size and seq_len must be positive, got batch_size={batch_size}, seq_len={seq_len}")
 
@@ -211,20 +199,19 @@ def estimate_memory(config, batch_size: int, seq_len: int, amp: str = "off", opt
     Counts (N = batch_size*seq_len tokens, C hidden, F ffn width, V vocab, P parameters, s = activation bytes):
     - params 4P (fp32 master weights) and the RoPE tables 2 * max_pos * head_dim * 4; grads 4P;
       AdamW's exp_avg and exp_avg_sq 8P (SGD 0, momentum 4P). Under autocast add 2P of low-precision weight copies.
-    - activations saved for backward, per layer (read off the forward code with saved_tensors_hooks):
-      each of the two RMSNorms saves its input x and the normalised x (fp32, for the gain's gradient), and the
-      projection after it saves the norm's output (s bytes): 2 * (4 + 4 + s) NC; attention saves q, the
-      repeated k and v and its output (4NC * s; k and v are N*n_kv*D each when not repeated); SwiGLU saves
-      gate, silu(gate), up and their product (4NF * s). The final norm adds (4 + 4 + s) NC.
-    - the head: the logits (NV * s, held by the caller), cross-entropy's fp32 log-softmax (4NV), and at the
-      start of backward the gradients of the log-probs and of the logits (2 * 4NV) while those still live.
-    The peak is the larger of: the start of backward (params + buffers + optimizer states of earlier steps
-    + activations + head), and the optimizer step (params + grads + states). Ignored: kernel-internal
-    workspaces, the allocator's rounding, transients inside backward, small bookkeeping tensors (RMSNorm's
-    per-row rsqrt, attention's logsumexp). fp32 is checked against MemoryMeter measurements in
-    tests/test_memory.py (within 1-3% for the presets); under autocast the count is rougher (it reads 3-8% low
-    at large batches: some CPU ops keep fp32 activations).
-    """
+    - activations saved for backward, per layer (read off the forward code with saved_tensors_hooks): each of the
+      two RMSNorms saves its input x and the normalised x (fp32, for the gain's gradient), and the projection after
+      it saves the norm's output (s bytes): 2 * (4 + 4 + s) NC; attention saves q, the repeated k and v and its
+      output (4NC * s; k and v are N*n_kv*D each when not repeated); SwiGLU saves gate, silu(gate), up and their
+      product (4NF * s). The final norm adds (4 + 4 + s) NC.
+    - the head: the logits (NV * s, held by the caller), cross-entropy's fp32 log-softmax (4NV), and at the start
+      of backward the gradients of the log-probs and of the logits (2 * 4NV) while those still live.
+    The peak is the larger of: the start of backward (params + buffers + optimizer states of earlier steps +
+    activations + head), and the optimizer step (params + grads + states). Ignored: kernel-internal workspaces, the
+    allocator's rounding, transients inside backward, small bookkeeping tensors (RMSNorm's per-row rsqrt,
+    attention's logsumexp). fp32 is checked against MemoryMeter measurements in tests/test_memory.py (within 1-3%
+    for the presets); under autocast the count is rougher (3-8% low at large batches: some CPU ops keep fp32
+    activations)."""
     _check_step_args(batch_size, seq_len, amp, optimizer)
     c, n, s = config, batch_size * seq_len, _AMP_BYTES[amp]
     C, F, V, L, kv = c.hidden_size, c.intermediate_size, c.vocab_size, c.num_hidden_layers, c.num_key_value_heads * c.head_dim
@@ -247,12 +234,10 @@ def measure_step_memory(config, batch_size: int, seq_len: int, amp: str = "off",
                         device: torch.device | str = "cpu", fake: bool = False, seed: int = 0) -> dict:
     """Measure one steady-state training step (fwd + bwd + optimizer step) of a fresh model with a MemoryMeter.
 
-    The optimizer states are created first by a step on zero gradients (what the first real step would
-    create), so the measured step sees them, as every later step of a run does. With fake=True the step runs
-    on FakeTensors (shapes and storages only: no arithmetic, no real memory), which gives the same count for
-    sizes this machine could not hold. amp autocasts the forward (no GradScaler: it does not change memory).
-    Returns peak_bytes, current_bytes (after the step), n_params and the inputs.
-    """
+    A first step on zero gradients creates the optimizer states, as in every later step of a run. fake=True runs on
+    FakeTensors (storages without arithmetic or real memory): the same count, for sizes this machine cannot hold.
+    amp autocasts the forward (a GradScaler would not change memory). Returns peak_bytes, current_bytes (after the
+    step), n_params and the inputs."""
     _check_step_args(batch_size, seq_len, amp, optimizer)
     device = torch.device("cpu") if fake else torch.device(device)  # fake tensors: bytes are device-independent
     meter = MemoryMeter(device)

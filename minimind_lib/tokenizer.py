@@ -1,11 +1,8 @@
 """The course's tokenizer, built in notebook 01_tokenizer: MiniMind's 6400-token byte-level BPE, with `tokenizers`.
 
-Trained as MiniMind's scripts/train_tokenizer.py does (ByteLevel pre-tokenizer and decoder, a BpeTrainer with all 256
-bytes and the special tokens <|endoftext|>, <|im_start|>, <|im_end|> as ids 0, 1, 2) and saved in MiniMind's layout
-(tokenizer.json + tokenizer_config.json), so `load_tokenizer(minimind_repo / "model")` loads MiniMind's own.
-`encode(text)` turns the literal "<|im_end|>" into id 2, as `transformers` does; `allow_special=False` keeps it text,
-and `apply_chat_template(..., tokenize=True)` encodes content that way: typed markers cannot end a turn early.
-"""
+Trained and saved as MiniMind's scripts/train_tokenizer.py does (ByteLevel; ids 0, 1, 2 = <|endoftext|>, <|im_start|>,
+<|im_end|>), so `load_tokenizer(minimind_repo / "model")` loads MiniMind's own. `encode` reads a typed "<|im_end|>"
+as id 2, like `transformers`; allow_special=False and chat content keep it text (typed markers cannot end a turn)."""
 
 from __future__ import annotations
 
@@ -23,7 +20,7 @@ from .paths import ASSETS_DIR
 
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = [ENDOFTEXT, IM_START, IM_END]  # in this order, so their ids are 0, 1, 2
-ROLES = ("system", "user", "assistant")  # the chat roles (data.py validates SFT records against these)
+ROLES = ("system", "user", "assistant")  # the chat roles (corpus.py validates SFT records against these)
 ROLE_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")  # tokenizer_config.json keys naming special tokens
 DEFAULT_VOCAB_SIZE = 6400
 DEFAULT_DIR = ASSETS_DIR / "tokenizer"
@@ -38,14 +35,12 @@ CHAT_TEMPLATE = ("{%- for message in messages %}"
 def default_config(hf: tokenizers.Tokenizer, model_max_length: int = 32768) -> dict:
     """tokenizer_config.json in MiniMind's layout, for a tokenizer whose special tokens are SPECIAL_TOKENS."""
     entry = {"lstrip": False, "normalized": False, "rstrip": False, "single_word": False, "special": True}
-    return {
-        "add_bos_token": False, "add_eos_token": False, "add_prefix_space": False,
-        "added_tokens_decoder": {str(hf.token_to_id(t)): {"content": t, **entry} for t in SPECIAL_TOKENS},
-        "additional_special_tokens": [], "bos_token": IM_START, "clean_up_tokenization_spaces": False,
-        "eos_token": IM_END, "legacy": True, "model_max_length": model_max_length, "pad_token": ENDOFTEXT,
-        "sp_model_kwargs": {}, "spaces_between_special_tokens": False, "tokenizer_class": "PreTrainedTokenizerFast",
-        "unk_token": ENDOFTEXT, "chat_template": CHAT_TEMPLATE,
-    }
+    return {"add_bos_token": False, "add_eos_token": False, "add_prefix_space": False,
+            "added_tokens_decoder": {str(hf.token_to_id(t)): {"content": t, **entry} for t in SPECIAL_TOKENS},
+            "additional_special_tokens": [], "bos_token": IM_START, "clean_up_tokenization_spaces": False,
+            "eos_token": IM_END, "legacy": True, "model_max_length": model_max_length, "pad_token": ENDOFTEXT,
+            "sp_model_kwargs": {}, "spaces_between_special_tokens": False,
+            "tokenizer_class": "PreTrainedTokenizerFast", "unk_token": ENDOFTEXT, "chat_template": CHAT_TEMPLATE}
 
 
 def check_added_tokens(hf: tokenizers.Tokenizer, config: dict, where: Path) -> None:
@@ -161,11 +156,9 @@ class Tokenizer:
         check_added_tokens(hf, self.config, where)
         ids = token_ids(hf, self.config, where)
         self.bos_token_id, self.eos_token_id, self.pad_token_id, self.unk_token_id = (ids[k] for k in ROLE_KEYS)
-        self.special_ids: dict[str, int] = {name: ids[name] for name in SPECIAL_TOKENS}
         self.endoftext_id, self.im_start_id, self.im_end_id = (ids[name] for name in SPECIAL_TOKENS)
         self.chat_template: str = self.config.get("chat_template", CHAT_TEMPLATE)
-        # A twin that encodes special-token strings as plain text (for chat content): a separate object, so that
-        # switching never races with another caller.
+        # A twin that encodes special-token strings as plain text (chat content): no shared flag to switch, no race
         self._plain = tokenizers.Tokenizer.from_str(hf.to_str())
         self._plain.encode_special_tokens = True
 
@@ -183,8 +176,7 @@ class Tokenizer:
 
     def save(self, directory: str | Path) -> Path:
         """Write tokenizer.json and tokenizer_config.json (MiniMind's layout) into directory; returns it."""
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
+        directory = Path(directory)  # atomic_write_text creates it
         atomic_write_text(directory / TOKENIZER_FILE, self.hf.to_str(pretty=True))
         config = dict(self.config, chat_template=self.chat_template)
         atomic_write_text(directory / CONFIG_FILE, json.dumps(config, ensure_ascii=False, indent=4) + "\n")
@@ -207,8 +199,7 @@ class Tokenizer:
 
     def id_to_token(self, token_id: int) -> str:
         """The token string of an id (ByteLevel form)."""
-        token = self.hf.id_to_token(int(token_id))
-        if token is None:
+        if (token := self.hf.id_to_token(int(token_id))) is None:
             raise ValueError(f"token id {token_id} is out of range for vocab_size={self.vocab_size}")
         return token
 
@@ -228,10 +219,8 @@ class Tokenizer:
         texts = list(texts)
         for i, text in enumerate(texts):
             check_text(text, f"texts[{i}]")
-        encodings = (self.hf if allow_special else self._plain).encode_batch(texts, add_special_tokens=False)
-        if add_special_tokens:
-            return [[self.bos_token_id, *e.ids, self.eos_token_id] for e in encodings]
-        return [e.ids for e in encodings]
+        ids = [e.ids for e in (self.hf if allow_special else self._plain).encode_batch(texts, add_special_tokens=False)]
+        return [[self.bos_token_id, *i, self.eos_token_id] for i in ids] if add_special_tokens else ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         """Text of token ids (accepts lists, tensors, arrays); out-of-range ids are an error, never dropped."""
@@ -257,7 +246,7 @@ class Tokenizer:
         return text + (f"{IM_START}assistant\n" if add_generation_prompt else "")
 
     def _chat_ids(self, messages: Sequence[dict], add_generation_prompt: bool) -> list[int]:
-        """The template's ids built from ids: markers are special ids, content is plain text (typed markers stay text)."""
+        """The template's ids built from ids: markers are special ids, content plain text (typed markers stay text)."""
         plain = lambda text: self._plain.encode(text, add_special_tokens=False).ids
         ids: list[int] = []
         for m in messages:
