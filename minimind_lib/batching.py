@@ -1,8 +1,5 @@
-"""Dynamic batching, built in notebook 06_dynamic_batching: token-budget batches (TokenBudgetBatchSampler), packing
-(pack_sequences, block_causal_mask) and an adaptive micro-batch with OOM recovery (AdaptiveBatchController), to which
-train.fit(..., controller=ctl) feeds a step per item: samples (StepSamples) or micro-batches (TokenBudgetSteps)."""
-
-from __future__ import annotations
+"""Dynamic batching (notebook 06_dynamic_batching): token budgets (TokenBudgetBatchSampler), packing (pack_sequences,
+block_causal_mask), OOM-safe adaptive micro-batches (AdaptiveBatchController), steps (StepSamples, TokenBudgetSteps)."""
 
 import gc
 import math
@@ -41,7 +38,6 @@ def fill_batches(order: Sequence[int], lengths: Sequence[int], max_tokens: int |
 class TokenBudgetBatchSampler(Sampler[list[int]]):
     """Batches of indices, every sample once in an order fixed by seed + epoch, of padded size (rows x longest row) <=
     max_tokens; longer samples count as longest_row = min(max_tokens, seq_len) (truncated_indices: pad_collate cuts)."""
-
     def __init__(self, lengths: Sequence[int] | np.ndarray, max_tokens: int, max_batch_size: int | None = None,
                  shuffle: bool = True, seed: int = 0, megabatch_mult: int = 50, seq_len: int | None = None) -> None:
         lengths = np.asarray(lengths)
@@ -53,20 +49,19 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
                             ("max_batch_size", max_batch_size), ("seq_len", seq_len)):
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
-        self.max_tokens, self.max_batch_size, self.seq_len = int(max_tokens), max_batch_size, seq_len
-        self.shuffle, self.seed, self.megabatch_mult = shuffle, int(seed), int(megabatch_mult)
+        self.max_tokens, self.max_batch_size, self.seq_len, self.epoch = int(max_tokens), max_batch_size, seq_len, 0
+        self.shuffle, self.seed, self.megabatch_mult, self._cache = shuffle, int(seed), int(megabatch_mult), None
         self.longest_row = self.max_tokens if seq_len is None else min(self.max_tokens, seq_len)  # one row must fit
         self.raw_lengths = lengths.astype(np.int64)
         self.truncated_indices = np.flatnonzero(self.raw_lengths > self.longest_row).tolist()
         self.lengths = np.minimum(self.raw_lengths, self.longest_row)  # as batched: the collate cuts longer ones
         rows = max(1, self.max_tokens // max(1, int(np.median(self.lengths)) if lengths.size else 1))
         self.megabatch_size = self.megabatch_mult * min(rows, max_batch_size or rows)  # samples of ~mult batches
-        self.epoch, self._cache = 0, None  # _cache: (epoch, its batches)
 
     def batches(self, epoch: int | None = None) -> list[list[int]]:
         """All batches of an epoch, in the order they are served (deterministic given seed + epoch)."""
         epoch = self.epoch if epoch is None else int(epoch)
-        if self._cache is None or self._cache[0] != epoch:
+        if self._cache is None or self._cache[0] != epoch:  # _cache: (epoch, its batches)
             rng = np.random.default_rng([self.seed, epoch])
             order = rng.permutation(len(self.lengths)) if self.shuffle else np.arange(len(self.lengths))
             size = self.megabatch_size if self.shuffle else max(1, len(order))  # unshuffled: one sorted megabatch
@@ -98,7 +93,6 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
 @dataclass
 class PackStats:
     """What packing did: documents in, rows out, and every cut it made."""
-
     n_docs: int = 0
     n_rows: int = 0
     n_split: int = 0  # documents cut across rows (each piece is trained as a document of its own)
@@ -172,7 +166,6 @@ def block_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
 
 class PackedDataset(Dataset):
     """Rows of exactly seq_len packed from a dataset of samples; items are dicts of (seq_len,) tensors."""
-
     def __init__(self, samples: Sequence[Any], seq_len: int, *, pad_id: int = 0) -> None:
         self.rows, self.stats = pack_sequences(samples, seq_len, pad_id=pad_id)
         self.lengths = np.full(len(self), int(seq_len), dtype=np.int64)  # every row is seq_len long
@@ -192,12 +185,10 @@ def collate_packed(rows: list[dict], block_mask: bool = True) -> dict[str, torch
     return {**out, "attention_mask": block_causal_mask(out["doc_ids"])} if block_mask else out
 
 
-_OOM_PHRASES = ("out of memory", "allocate memory", "status_alloc_failed")  # cuBLAS/cuDNN on a full GPU: *_ALLOC_FAILED
-
-
 def is_oom_error(err: BaseException) -> bool:
     """True for an out-of-memory error: torch.OutOfMemoryError, memory.OutOfMemory, or a RuntimeError saying so."""
-    said_so = isinstance(err, RuntimeError) and any(p in str(err).lower() for p in _OOM_PHRASES)
+    phrases = ("out of memory", "allocate memory", "status_alloc_failed")  # cuBLAS/cuDNN on a full GPU: *_ALLOC_FAILED
+    said_so = isinstance(err, RuntimeError) and any(p in str(err).lower() for p in phrases)
     return said_so or isinstance(err, (OutOfMemory, MemoryError, torch.OutOfMemoryError))
 
 
@@ -223,14 +214,12 @@ def split_step(groups: list[list], micro_batch_size: int | None, max_tokens: int
 
 def after_oom(sizes: tuple, micro: list[list], halvings: int, max_retries: int, seq_cut: float,
               seq_len: int | None) -> tuple[str, tuple, int | None]:
-    """The answer to an OOM, (kind, sizes, seq_len): halve the largest micro-batch of 2+ rows while retries are left
-    (halving a size no micro-batch reaches would retry the same work), else cut the rows to seq_cut x the longest."""
-    several = [mb for mb in micro if len(mb) > 1]
+    """(kind, sizes, seq_len) after an OOM: halve the largest 2+ row micro-batch while retries last, else cut rows."""
+    several = [mb for mb in micro if len(mb) > 1]  # halve what they use, not a cap none reaches (the same work again)
     if halvings < max_retries and several:
         rows, padded = max(map(len, several)), max(len(mb) * max(row_length(s, seq_len) for s in mb) for mb in several)
-        rows_cap, tokens_cap = sizes
-        return "oom_halve", (rows_cap and max(1, min(rows_cap, rows) // 2),
-                             tokens_cap and max(1, min(tokens_cap, padded) // 2)), seq_len
+        halved = tuple(cap and max(1, min(cap, used) // 2) for cap, used in zip(sizes, (rows, padded)))
+        return "oom_halve", halved, seq_len
     return "oom_seq_cut", sizes, int(max(row_length(s, seq_len) for mb in micro for s in mb) * seq_cut)
 
 
@@ -252,7 +241,6 @@ def memory_check(frac: float, sizes: tuple, start_sizes: tuple, seq_len: int | N
 @dataclass
 class BatchEvent:
     """One change the controller made: at which step, why, and the sizes after it."""
-
     step: int
     kind: str  # "shrink" | "grow" | "grow_seq_len" | "oom_halve" | "oom_seq_cut"
     micro_batch_size: int | None  # rows per micro-batch (None: no row limit)
@@ -270,10 +258,8 @@ class BatchEvent:
 
 
 class AdaptiveBatchController:
-    """Splits each optimizer step into micro-batches of micro_batch_size rows and/or max_tokens (rows x longest row),
-    sized by memory: every check_every steps, memory_check compares the step peaks with meter.budget_bytes; an OOM
-    frees memory and retries the same samples at the sizes after_oom picks."""
-
+    """Splits each step into micro-batches of micro_batch_size rows and/or max_tokens (rows x longest row), resized
+    every check_every steps by memory_check (step peaks vs meter.budget_bytes); an OOM retries at after_oom's sizes."""
     def __init__(self, micro_batch_size: int | None = None, *, max_tokens: int | None = None, meter: Any = None,
                  check_every: int = 100, high_water: float = 0.80, low_water: float = 0.50, shrink: float = 0.8,
                  max_retries: int = 3, seq_cut: float = 0.8, seq_len: int | None = None, min_seq_len: int = 8,
@@ -284,9 +270,8 @@ class AdaptiveBatchController:
                  "max_retries >= 0": max_retries >= 0, "0 < shrink < 1": 0 < shrink < 1, "0 < seq_cut < 1":
                  0 < seq_cut < 1, "0 <= low_water < high_water <= 1": 0 <= low_water < high_water <= 1}
         for rule in (rule for rule, ok in rules.items() if not ok):
-            raise ValueError(f"AdaptiveBatchController needs {rule}; got micro_batch_size={micro_batch_size}, "
-                             f"max_tokens={max_tokens}, check_every={check_every}, max_retries={max_retries}, shrink="
-                             f"{shrink}, seq_cut={seq_cut}, low_water={low_water}, high_water={high_water}")
+            raise ValueError(f"AdaptiveBatchController needs {rule}; got {micro_batch_size=}, {max_tokens=}, "
+                             f"{check_every=}, {max_retries=}, {shrink=}, {seq_cut=}, {low_water=}, {high_water=}")
         self.micro_batch_size, self.max_tokens = self.start_sizes = (micro_batch_size, max_tokens)  # grow up to these
         self.meter, self.check_every, self.max_retries, self.min_seq_len = meter, check_every, max_retries, min_seq_len
         self.high_water, self.low_water, self.shrink, self.seq_cut = high_water, low_water, shrink, seq_cut
@@ -308,8 +293,7 @@ class AdaptiveBatchController:
                                       getattr(self.meter, "budget_bytes", None), message))
 
     def run_step(self, step: Sequence, accumulate_fn: Callable[[list], dict], zero_grad: Any = None) -> dict:
-        """Forward+backward of one step in micro-batches of the current size, recovering from OOM; returns
-        accumulate_fn's stats, the sizes this step trained with and its events. The caller resets the meter's peak."""
+        """One step's forward+backward at the current sizes, recovering from OOM (the caller resets the meter peak)."""
         groups = step_groups(step)
         n, first_event, halvings = sum(map(len, groups)), len(self.events), 0
         self.samples_in += n
@@ -329,7 +313,15 @@ class AdaptiveBatchController:
         self.tokens_truncated += sum(excess)
         self.samples_seen, self.step = self.samples_seen + n, self.step + 1
         used = {"micro_batch_size": self.micro_batch_size, "max_tokens": self.max_tokens, "seq_len": self.seq_len}
-        self._check_memory(groups)  # may change the sizes of the next step
+        self._window_peak = max(self._window_peak, 0 if self.meter is None else int(self.meter.peak()))
+        budget = getattr(self.meter, "budget_bytes", None)  # read live: the budget may change during a run
+        if self.step % self.check_every == 0 and budget and self._window_peak:  # sizes of the next step by memory_check
+            peak, self._window_peak = self._window_peak, 0
+            kind, (self.micro_batch_size, self.max_tokens), self.seq_len, self.uncut_len = memory_check(
+                peak / budget, self.sizes, self.start_sizes, self.seq_len, self.seq_len_start, self.uncut_len,
+                self.high_water, self.low_water, self.shrink)
+            if kind:
+                self._event(kind, groups, peak, f"peak {peak / budget:.0%} of the budget")
         return {**stats, **used, "accum_steps": len(micro), "events": self.events[first_event:]}
 
     def _recover(self, groups: list[list], micro: list[list], halvings: int, message: str, zero_grad: Any) -> int:
@@ -354,19 +346,6 @@ class AdaptiveBatchController:
         (self.micro_batch_size, self.max_tokens), self.seq_len = sizes, seq_len
         self._event(kind, groups, peak, message)
         return halvings + 1 if kind == "oom_halve" else 0  # shorter rows get a fresh round of halvings
-
-    def _check_memory(self, groups: list[list]) -> None:
-        """Every check_every steps: memory_check of the window's highest step peak against the meter's budget."""
-        self._window_peak = max(self._window_peak, 0 if self.meter is None else int(self.meter.peak()))
-        budget = getattr(self.meter, "budget_bytes", None)  # read live: the budget may change during a run
-        if self.step % self.check_every or not budget or not self._window_peak:
-            return
-        peak, self._window_peak = self._window_peak, 0
-        kind, (self.micro_batch_size, self.max_tokens), self.seq_len, self.uncut_len = memory_check(
-            peak / budget, self.sizes, self.start_sizes, self.seq_len, self.seq_len_start, self.uncut_len,
-            self.high_water, self.low_water, self.shrink)
-        if kind:
-            self._event(kind, groups, peak, f"peak {peak / budget:.0%} of the budget")
 
     @property
     def stats(self) -> dict:
@@ -393,7 +372,6 @@ class AdaptiveBatchController:
 
 class StepSamples:
     """Steps of `samples_per_step` samples, shuffled by seed + epoch (the last may be short) for fit(controller=...)."""
-
     def __init__(self, dataset: Sequence, samples_per_step: int, shuffle: bool = True, seed: int = 0) -> None:
         if int(samples_per_step) < 1 or len(dataset) == 0:
             raise ValueError(f"StepSamples needs samples_per_step >= 1 (got {samples_per_step}) and a non-empty "
@@ -416,7 +394,6 @@ class StepSamples:
 
 class TokenBudgetSteps:
     """Steps of `accum_steps` of `sampler`'s batches (lists of samples; resumable, by epoch) for fit(controller=...)."""
-
     def __init__(self, dataset: Sequence, sampler: TokenBudgetBatchSampler, accum_steps: int) -> None:
         if int(accum_steps) < 1 or len(sampler.raw_lengths) != len(dataset):
             raise ValueError(f"TokenBudgetSteps needs accum_steps >= 1 (got {accum_steps}) and a sampler built from "

@@ -1,8 +1,6 @@
 """The training loop of notebooks 04_gradient_accumulation and 05_mixed_precision, in their order (the section comments
 name their sections). `fit` adds validation, resumable checkpoints, NaN rollbacks, callbacks and controllers."""
 
-from __future__ import annotations
-
 import contextlib
 import inspect
 import math
@@ -31,7 +29,6 @@ NORMALIZATIONS = ("token", "naive")
 @dataclass
 class TrainConfig:
     """Hyper-parameters of one training run (everything `fit` needs besides model, data and device)."""
-
     lr: float = 1e-3  # peak learning rate
     min_lr: float | None = None  # floor of the cosine decay; None: lr / 10
     warmup_steps: int = 10  # linear warmup, in optimizer steps
@@ -89,10 +86,11 @@ def _to_device(batch: dict, device: torch.device) -> dict:
     return {k: (v.to(device, non_blocking=True) if torch.is_tensor(v) else v) for k, v in batch.items()}
 
 
-def forward_logits(model: nn.Module, batch: dict) -> torch.Tensor:
-    """The model's logits for one collated batch (with its attention_mask and position_ids when it has them)."""
+def forward_logits(model: nn.Module, batch: dict, amp_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The logits for one collated batch (with its attention_mask, position_ids), under autocast to amp_dtype if set."""
     kwargs = {k: batch[k] for k in ("attention_mask", "position_ids") if batch.get(k) is not None}
-    out = model(batch["input_ids"], **kwargs)
+    with torch.autocast(batch["input_ids"].device.type, dtype=amp_dtype, enabled=amp_dtype is not None):  # notebook 05
+        out = model(batch["input_ids"], **kwargs)
     return out.logits if hasattr(out, "logits") else out
 
 
@@ -163,18 +161,14 @@ def accumulate_step(model: nn.Module, micro_batches: Sequence[dict], *, amp_dtyp
         mb = _to_device(mb, device)
         last = world == 1 or i == k - 1 or not hasattr(model, "no_sync")  # DDP: all-reduce grads once, at the last
         with contextlib.nullcontext() if last else model.no_sync():
-            with torch.autocast(device_type=device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-                logits = forward_logits(model, mb)
-            token_loss_sum = lm_loss(logits, mb["labels"], reduction="sum")  # in fp32, outside autocast
+            token_loss_sum = lm_loss(forward_logits(model, mb, amp_dtype), mb["labels"], reduction="sum")  # fp32
             if normalization == "token":  # exact: / the step's tokens (x world: DDP averages over the ranks)
                 loss = token_loss_sum * (world / n_tokens_total)
             else:  # "naive", MiniMind's loop: each micro-batch's mean loss / k
                 loss = token_loss_sum / max(trained_tokens(mb["labels"]), 1) / k
             (scaler.scale(loss) if scaler is not None else loss).backward()
         loss_sum += token_loss_sum.detach().float()
-    if world > 1:  # the logged loss is the step's global token mean
-        loss_sum = all_reduce_sum(float(loss_sum), device, torch.float64)
-    loss_sum = float(loss_sum)  # one device sync per step
+    loss_sum = float(all_reduce_sum(float(loss_sum), device, torch.float64) if world > 1 else loss_sum)  # DDP: summed
     return {"loss_sum": loss_sum, "n_tokens": int(n_tokens_total), "loss": loss_sum / n_tokens_total,
             "micro_batches": k, "rows": sum(len(mb["input_ids"]) for mb in micro_batches),
             "padded_tokens": sum(mb["input_ids"].numel() for mb in micro_batches)}
@@ -194,14 +188,11 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device | s
 @dataclass(frozen=True)
 class AmpSettings:
     """What autocast does on this device: the dtype (None: fp32, no autocast), whether a GradScaler, and why."""
-
     dtype: torch.dtype | None
     use_scaler: bool
     reason: str
-
-    @property
-    def name(self) -> str:  # 'bf16', 'fp16' or 'fp32'
-        return {torch.bfloat16: "bf16", torch.float16: "fp16", None: "fp32"}[self.dtype]
+    name = property(lambda self: {torch.bfloat16: "bf16", torch.float16: "fp16", None: "fp32"}[self.dtype],
+                    doc="'bf16', 'fp16' or 'fp32'")
 
 
 def resolve_amp(amp: str, device: torch.device | str) -> AmpSettings:
@@ -242,9 +233,7 @@ def evaluate(model: nn.Module, batches: Iterable[dict], *, device: torch.device 
     try:
         for mb in batches:
             mb = _to_device(mb, device)
-            with torch.autocast(device_type=device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-                logits = forward_logits(model, mb)
-            total += float(lm_loss(logits, mb["labels"], reduction="sum"))
+            total += float(lm_loss(forward_logits(model, mb, amp_dtype), mb["labels"], reduction="sum"))
             n += trained_tokens(mb["labels"])
     finally:
         model.train(was_training)
@@ -255,8 +244,7 @@ def evaluate(model: nn.Module, batches: Iterable[dict], *, device: torch.device 
 
 # 8. The loop (04, section 6): fit = start, then per step: train, count bad steps, evaluate and save ----------
 class _Run:
-    """What one `fit` call carries from step to step: model, optimizer, scaler, data position, counters."""
-
+    """One `fit` call: model, optimizer, scaler, data position and counters, and the steps of its loop."""
     def __init__(self, model: nn.Module, data: Iterable, cfg: TrainConfig, device: torch.device, controller: Any,
                  meter: Any, is_main_process: bool) -> None:
         self.model, self.cfg, self.device, self.controller = model.to(device).train(), cfg, device, controller
@@ -299,92 +287,82 @@ class _Run:
         self.stream.load_state_dict(info["data"])
         set_rng_state(info["rng"])  # last: re-creating the data iterator may draw from the RNG (a shuffling loader)
 
+    def train_step(self) -> dict | None:
+        """One optimizer step: set the LR, take the step's data (cfg.accum_steps micro-batches, or one item of samples
+        for the controller to split), accumulate, clip and update; its metrics row (None: the data ran out)."""
+        cfg, step, events, items = self.cfg, self.step, [], []
+        lr = lr_at(step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps, max_steps=cfg.max_steps)
+        lr *= self.lr_scale  # lowered by NaN rollbacks
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        t0 = time.perf_counter()
+        with self.meter.track(self.model, self.optimizer) if hasattr(self.meter, "track") else contextlib.nullcontext():
+            if self.meter is not None:
+                self.meter.reset_peak()
+            try:
+                while len(items) < (cfg.accum_steps if self.controller is None else 1):
+                    items.append(self.stream.next())
+            except StopIteration:  # a spent generator: stop, and say what was left over
+                self.data_exhausted, self.dropped_micro_batches = True, len(items)
+                return None
+            if self.controller is None:
+                stats = self.accumulate_fn(items)
+            else:  # zero_grad: the controller clears the failed attempt's gradients after an OOM
+                takes_zero_grad = "zero_grad" in inspect.signature(self.controller.run_step).parameters
+                kw = {"zero_grad": self.model} if takes_zero_grad else {}
+                stats = dict(self.controller.run_step(items[0], self.accumulate_fn, **kw))
+                events += [str(e) for e in stats.pop("events", []) or []]
+            loss = stats["loss_sum"] / max(stats["n_tokens"], 1)
+            if not math.isfinite(loss):  # a NaN/inf loss poisons every gradient: drop the step, keep the scaler out
+                self.optimizer.zero_grad(set_to_none=True)
+                grad_norm, skipped = math.nan, True
+                events.append("nonfinite_loss_skipped")
+            else:
+                scale_before = self.scaler.get_scale() if self.scaler is not None else None
+                params = [p for p in self.model.parameters() if p.requires_grad]
+                grad_norm, finite = optimizer_step(self.optimizer, params, cfg.grad_clip, self.scaler)
+                skipped = not finite and self.scaler is None
+                if not finite and self.scaler is not None:  # the usual fp16 overflow: the scaler lowered its scale
+                    self.scaler_skips += 1
+                    events.append(f"scaler_skip(scale {scale_before:g}->{self.scaler.get_scale():g})")
+                elif skipped:
+                    events.append("nonfinite_grad_skipped")
+        step_time = time.perf_counter() - t0
+        row = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": stats["n_tokens"],
+               "tokens_per_s": stats["n_tokens"] / step_time if step_time > 0 else math.nan,
+               "peak_memory_bytes": math.nan if self.meter is None else float(self.meter.peak()),
+               "step_time": step_time, "skipped": skipped, "val_loss": math.nan, "val_ppl": math.nan,
+               "scale": self.scaler.get_scale() if self.scaler is not None else math.nan, "events": events}
+        row.update({key: value for key, value in stats.items()  # controller extras: micro_batch_size, seq_len, ...
+                    if key not in row and key not in ("loss_sum", "n_tokens") and isinstance(value, (int, float, str))})
+        return row
 
-def _accumulate(run: _Run, events: list[str]) -> dict | None:
-    """Forward+backward of one step: cfg.accum_steps micro-batches or the controller's split; None: the data ran out."""
-    items: list = []  # the step's micro-batches, or its one item of samples for the controller to split
-    try:
-        while len(items) < (run.cfg.accum_steps if run.controller is None else 1):
-            items.append(run.stream.next())
-    except StopIteration:  # a spent generator: stop, and say what was left over
-        run.data_exhausted, run.dropped_micro_batches = True, len(items)
-        return None
-    if run.controller is None:
-        return run.accumulate_fn(items)
-    kw = {"zero_grad": run.model} if "zero_grad" in inspect.signature(run.controller.run_step).parameters else {}
-    stats = dict(run.controller.run_step(items[0], run.accumulate_fn, **kw))  # zero_grad: clears grads on OOM
-    events += [str(e) for e in stats.pop("events", []) or []]
-    return stats
-
-
-def _train_step(run: _Run) -> dict | None:
-    """One optimizer step: set the LR, accumulate, clip and update; its metrics row (None: the data ran out)."""
-    cfg, step, events = run.cfg, run.step, []
-    lr = lr_at(step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps, max_steps=cfg.max_steps)
-    lr *= run.lr_scale  # lowered by NaN rollbacks
-    for group in run.optimizer.param_groups:
-        group["lr"] = lr
-    t0 = time.perf_counter()
-    with run.meter.track(run.model, run.optimizer) if hasattr(run.meter, "track") else contextlib.nullcontext():
-        if run.meter is not None:
-            run.meter.reset_peak()
-        stats = _accumulate(run, events)
-        if stats is None:
-            return None
-        loss = stats["loss_sum"] / max(stats["n_tokens"], 1)
-        if not math.isfinite(loss):  # a NaN/inf loss poisons every gradient: drop the step, keep the scaler out
-            run.optimizer.zero_grad(set_to_none=True)
-            grad_norm, skipped = math.nan, True
-            events.append("nonfinite_loss_skipped")
+    def count_bad_step(self, row: dict) -> None:
+        """Advance the step; after cfg.max_bad_steps skipped steps in a row, roll back to last.pt at a lower LR."""
+        self.bad_in_row = self.bad_in_row + 1 if row["skipped"] else 0
+        self.bad_steps += int(row["skipped"])
+        self.step += 1  # a rollback then rewinds it
+        if self.bad_in_row < self.cfg.max_bad_steps:
+            return
+        if self.rollbacks >= self.cfg.max_rollbacks:
+            raise RuntimeError(f"training diverged: {self.bad_in_row} non-finite steps in a row at step "
+                               f"{row['step']} after {self.rollbacks} rollbacks (lr scale {self.lr_scale:g})")
+        self.rollbacks, self.bad_in_row, self.lr_scale = self.rollbacks + 1, 0, self.lr_scale * self.cfg.lr_backoff
+        if self.ckpt_path is not None and self.ckpt_path.exists():
+            self.restore(self.ckpt_path, resume=False)
+            row["events"].append(f"rollback_to_step_{self.step}")
         else:
-            scale_before = run.scaler.get_scale() if run.scaler is not None else None
-            params = [p for p in run.model.parameters() if p.requires_grad]
-            grad_norm, finite = optimizer_step(run.optimizer, params, cfg.grad_clip, run.scaler)
-            skipped = not finite and run.scaler is None
-            if not finite and run.scaler is not None:  # the usual fp16 overflow: the scaler lowered its scale
-                run.scaler_skips += 1
-                events.append(f"scaler_skip(scale {scale_before:g}->{run.scaler.get_scale():g})")
-            elif skipped:
-                events.append("nonfinite_grad_skipped")
-    step_time = time.perf_counter() - t0
-    row = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": stats["n_tokens"],
-           "tokens_per_s": stats["n_tokens"] / step_time if step_time > 0 else math.nan,
-           "peak_memory_bytes": math.nan if run.meter is None else float(run.meter.peak()),
-           "step_time": step_time, "skipped": skipped, "val_loss": math.nan, "val_ppl": math.nan,
-           "scale": run.scaler.get_scale() if run.scaler is not None else math.nan, "events": events}
-    row.update({key: value for key, value in stats.items()  # controller extras: micro_batch_size, seq_len, ...
-                if key not in row and key not in ("loss_sum", "n_tokens") and isinstance(value, (int, float, str))})
-    return row
+            row["events"].append("no_checkpoint_to_roll_back_to")
+        row["events"].append(f"lr_scale={self.lr_scale:g}")
 
-
-def _count_bad_step(run: _Run, row: dict) -> None:
-    """Advance the step; after cfg.max_bad_steps skipped steps in a row, roll back to last.pt at a lower LR."""
-    run.bad_in_row = run.bad_in_row + 1 if row["skipped"] else 0
-    run.bad_steps += int(row["skipped"])
-    if run.bad_in_row < run.cfg.max_bad_steps:
-        run.step += 1
-        return
-    if run.rollbacks >= run.cfg.max_rollbacks:
-        raise RuntimeError(f"training diverged: {run.bad_in_row} non-finite steps in a row at step {row['step']} "
-                           f"after {run.rollbacks} rollbacks (lr scale {run.lr_scale:g})")
-    run.rollbacks, run.bad_in_row, run.lr_scale = run.rollbacks + 1, 0, run.lr_scale * run.cfg.lr_backoff
-    if run.ckpt_path is not None and run.ckpt_path.exists():
-        run.restore(run.ckpt_path, resume=False)
-        row["events"].append(f"rollback_to_step_{run.step}")
-    else:
-        row["events"].append("no_checkpoint_to_roll_back_to")
-        run.step += 1
-    row["events"].append(f"lr_scale={run.lr_scale:g}")
-
-
-def _evaluate_and_save(run: _Run, row: dict, val_batches: Iterable[dict] | None) -> None:
-    """After a good step: validation every cfg.eval_every steps and at the end, a checkpoint every cfg.ckpt_every."""
-    cfg, done = run.cfg, run.step
-    if val_batches is not None and ((cfg.eval_every and done % cfg.eval_every == 0) or done == cfg.max_steps):
-        ev = evaluate(run.model, val_batches, device=run.device, amp_dtype=run.amp.dtype)
-        row["val_loss"], row["val_ppl"] = ev["loss"], ev["ppl"]
-    if cfg.ckpt_every and done % cfg.ckpt_every == 0 and (tag := run.save()):
-        row["events"].append(tag)
+    def evaluate_and_save(self, row: dict, val_batches: Iterable[dict] | None) -> None:
+        """After a good step: validate every cfg.eval_every steps and at the end, checkpoint every cfg.ckpt_every."""
+        cfg, done = self.cfg, self.step
+        if val_batches is not None and ((cfg.eval_every and done % cfg.eval_every == 0) or done == cfg.max_steps):
+            ev = evaluate(self.model, val_batches, device=self.device, amp_dtype=self.amp.dtype)
+            row["val_loss"], row["val_ppl"] = ev["loss"], ev["ppl"]
+        if cfg.ckpt_every and done % cfg.ckpt_every == 0 and (tag := self.save()):
+            row["events"].append(tag)
 
 
 def fit(model: nn.Module, train_batches_or_loader: Iterable, cfg: TrainConfig, *, device: torch.device | str,
@@ -392,8 +370,8 @@ def fit(model: nn.Module, train_batches_or_loader: Iterable, cfg: TrainConfig, *
         callbacks: Sequence[Callable[[int, dict], Any]] | None = None,
         resume_from: str | Path | None = None, is_main_process: bool = True) -> pd.DataFrame:
     """Train `model` for cfg.max_steps optimizer steps: a DataFrame, one metrics row per step (attrs: run counters).
-    The data yields collated micro-batches, cfg.accum_steps per step, or, with a controller, each step's samples:
-    `controller.run_step(item, accumulate_fn[, zero_grad=model])` splits them. cb(step, row): "stop" ends training."""
+    The data yields cfg.accum_steps collated micro-batches per step, or, with a controller, each step's samples for
+    `controller.run_step(item, accumulate_fn[, zero_grad=model])` to split. cb(step, row): "stop" ends training."""
     run = _Run(model, train_batches_or_loader, cfg, torch.device(device), controller, meter, is_main_process)
     if resume_from is not None:
         run.restore(Path(resume_from), resume=True)
@@ -401,10 +379,10 @@ def fit(model: nn.Module, train_batches_or_loader: Iterable, cfg: TrainConfig, *
         seed_everything(cfg.seed)
     rows, stop, t_start = [], False, time.perf_counter()
     with tqdm(total=cfg.max_steps, initial=run.step, disable=not cfg.progress, desc="train") as bar:
-        while run.step < cfg.max_steps and not stop and (row := _train_step(run)) is not None:  # None: data ran out
-            _count_bad_step(run, row)
+        while run.step < cfg.max_steps and not stop and (row := run.train_step()) is not None:  # None: data ran out
+            run.count_bad_step(row)
             if not row["skipped"]:
-                _evaluate_and_save(run, row, val_batches)
+                run.evaluate_and_save(row, val_batches)
             row["wall_time"] = time.perf_counter() - t_start
             row["event"] = ";".join(row.pop("events"))
             rows.append(row)
