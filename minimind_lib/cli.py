@@ -63,24 +63,16 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_summary(result) -> None:
-    # Under torchrun every rank returns; only rank 0 has the whole summary (the process group is gone by now,
-    # so ask torchrun's environment rather than torch.distributed).
+def cmd_train(args: argparse.Namespace) -> int:
+    """Pretrain (or, for `sft`, fine-tune --init) into --out and print the run's summary as JSON."""
+    if args.command == "pretrain":
+        result = pretrain(args.data, args.out, config=args.config, tokenizer_dir=args.tokenizer, **_train_kwargs(args))
+    else:
+        result = sft(args.data, args.out, init=args.init, **_train_kwargs(args))
+    # Under torchrun every rank returns; only rank 0 has the whole summary (the process group is gone by now, so
+    # ask torchrun's environment rather than torch.distributed).
     if os.environ.get("RANK", "0") == "0":
         print(json.dumps({"out": str(result.out_dir), **result.summary}, indent=2, default=str))
-
-
-def cmd_pretrain(args: argparse.Namespace) -> int:
-    """Pretrain into --out and print the run's summary as JSON."""
-    result = pretrain(args.data, args.out, config=args.config, tokenizer_dir=args.tokenizer, **_train_kwargs(args))
-    _print_summary(result)
-    return 0
-
-
-def cmd_sft(args: argparse.Namespace) -> int:
-    """Fine-tune --init on chat data into --out and print the run's summary as JSON."""
-    result = sft(args.data, args.out, init=args.init, **_train_kwargs(args))
-    _print_summary(result)
     return 0
 
 
@@ -124,10 +116,10 @@ def add_subcommands(subparsers) -> None:
     i.set_defaults(func=cmd_info)
     p = subparsers.add_parser("pretrain", help="pretrain a MiniMind model on a {'text'} jsonl file")
     _add_train_args(p, "pretrain")
-    p.set_defaults(func=cmd_pretrain)
+    p.set_defaults(func=cmd_train)
     s = subparsers.add_parser("sft", help="supervised fine-tuning on a {'conversations'} jsonl file")
     _add_train_args(s, "sft")
-    s.set_defaults(func=cmd_sft)
+    s.set_defaults(func=cmd_train)
     c = subparsers.add_parser("chat", help="chat with a trained run directory")
     c.add_argument("--ckpt", required=True, help="a run directory (config.json, model.pth, tokenizer/)")
     c.add_argument("--prompt", default=None, help="answer this one prompt and exit")
