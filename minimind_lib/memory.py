@@ -5,8 +5,6 @@ new storage an op outputs and subtracts it when a weakref says it is freed; tens
 walking the objects passed to ``track``. Live tensor bytes, as ``torch.cuda.memory_allocated`` counts them, not RSS.
 Unseen: scratch memory inside a kernel, and tensors created outside ``track`` that were not passed to it."""
 
-from __future__ import annotations
-
 import contextlib
 import weakref
 from typing import Any, Iterator
@@ -140,15 +138,9 @@ def _tensors_of(obj: Any) -> Iterator[torch.Tensor]:
     if isinstance(obj, torch.Tensor):
         yield from (obj,) if obj.grad is None else (obj, obj.grad)
     elif isinstance(obj, nn.Module):
-        for p in obj.parameters():
-            yield from _tensors_of(p)
-        yield from obj.buffers()
-    elif isinstance(obj, torch.optim.Optimizer):
-        for group in obj.param_groups:
-            for p in group["params"]:
-                yield from _tensors_of(p)
-        for state in obj.state.values():
-            yield from (v for v in state.values() if isinstance(v, torch.Tensor))
+        yield from _tensors_of([*obj.parameters(), *obj.buffers()])
+    elif isinstance(obj, torch.optim.Optimizer):  # its parameters (with their grads), then their states
+        yield from _tensors_of([[p for group in obj.param_groups for p in group["params"]], list(obj.state.values())])
     elif isinstance(obj, (dict, list, tuple)):
         for v in obj.values() if isinstance(obj, dict) else obj:
             yield from _tensors_of(v)
