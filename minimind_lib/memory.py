@@ -140,7 +140,8 @@ def _tensors_of(obj: Any) -> Iterator[torch.Tensor]:
     elif isinstance(obj, nn.Module):
         yield from _tensors_of([*obj.parameters(), *obj.buffers()])
     elif isinstance(obj, torch.optim.Optimizer):  # its parameters (with their grads), then their states
-        yield from _tensors_of([[p for group in obj.param_groups for p in group["params"]], list(obj.state.values())])
+        params = [p for group in obj.param_groups for p in group["params"]]
+        yield from _tensors_of([params, list(obj.state.values())])
     elif isinstance(obj, (dict, list, tuple)):
         for v in obj.values() if isinstance(obj, dict) else obj:
             yield from _tensors_of(v)
