@@ -97,20 +97,15 @@ class MemoryMeter:
                               f"({_fmt(new)}); live {live} bytes ({_fmt(live)}) exceeds the budget of {budget} bytes "
                               f"({_fmt(budget)})")
 
-    def register(self, *objs: Any) -> None:
-        """Count tensors that exist already: modules (params, buffers, grads), optimizers, tensors, containers."""
-        before = self._current
-        for obj in objs:
-            for t in _tensors_of(obj):
-                self._add(t)
-        self._check_budget(before, "registered tensors need")
-
     @contextlib.contextmanager
     def track(self, *objs: Any) -> Iterator["MemoryMeter"]:
         """Measure the code inside; `objs` (model, optimizer, batch) are walked first so they count: pass them on
         every call, as new gradients and optimizer states may exist since the last. On CUDA the allocator counts."""
-        if not self.is_cuda:
-            self.register(*objs)
+        if not self.is_cuda:  # count the tensors that exist already: parameters, gradients, optimizer states, batch
+            before = self._current
+            for t in _tensors_of(objs):
+                self._add(t)
+            self._check_budget(before, "registered tensors need")
         with contextlib.nullcontext() if self.is_cuda else _LiveBytes(self):
             yield self
 
