@@ -362,8 +362,7 @@ class AdaptiveBatchController:
 
     def load_state_dict(self, state: dict) -> None:
         """Restore the state saved by state_dict()."""
-        missing = [k for k in ("micro_batch_size", "max_tokens", "seq_len", "step") if k not in state]
-        if missing:
+        if missing := [k for k in ("micro_batch_size", "max_tokens", "seq_len", "step") if k not in state]:
             raise ValueError(f"controller state is missing keys {missing} (has {sorted(state)})")
         for key in self._STATE:
             setattr(self, key, state.get(key, None if key == "uncut_len" else 0))
