@@ -20,16 +20,16 @@ from __future__ import annotations
 
 import argparse
 import copy
+import math
 import time
 from dataclasses import replace
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 import torch
 
 from minimind_lib.batching import (
     AdaptiveBatchController,
-    StepSamples,
     TokenBudgetBatchSampler,
     collate_packed,
     pack_sequences,
@@ -42,6 +42,32 @@ from minimind_lib.paths import DATA_DIR
 from minimind_lib.profiles import get_profile
 from minimind_lib.tokenizer import load_tokenizer
 from minimind_lib.train import TrainConfig, accumulate_step, build_optimizer, evaluate, fit, lr_at, resolve_amp
+
+
+class StepSamples:
+    """Steps of `samples_per_step` samples, shuffled by seed + epoch (the last may be short) for fit(controller=...).
+
+    The fixed-sample-count steps the OOM benchmark trains with; the course itself uses TokenBudgetSteps.
+    """
+    def __init__(self, dataset: Sequence, samples_per_step: int, shuffle: bool = True, seed: int = 0) -> None:
+        if int(samples_per_step) < 1 or len(dataset) == 0:
+            raise ValueError(f"StepSamples needs samples_per_step >= 1 (got {samples_per_step}) and a non-empty "
+                             f"dataset (got {len(dataset)} samples)")
+        self.dataset, self.samples_per_step, self.shuffle, self.seed = dataset, int(samples_per_step), shuffle, seed
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch's order."""
+        self.epoch = int(epoch)
+
+    def __len__(self) -> int:
+        return math.ceil(len(self.dataset) / self.samples_per_step)
+
+    def __iter__(self) -> Iterator[list]:
+        n, k = len(self.dataset), self.samples_per_step
+        order = np.random.default_rng([self.seed, self.epoch]).permutation(n) if self.shuffle else np.arange(n)
+        return ([self.dataset[int(i)] for i in order[s:s + k]] for s in range(0, n, k))
+
 
 STRATEGIES = ("fixed", "longest", "token_budget", "packed")
 

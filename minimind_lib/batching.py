@@ -1,5 +1,5 @@
 """Dynamic batching (notebook 06_dynamic_batching): token budgets (TokenBudgetBatchSampler), packing (pack_sequences,
-block_causal_mask), OOM-safe adaptive micro-batches (AdaptiveBatchController), steps (StepSamples, TokenBudgetSteps)."""
+block_causal_mask), OOM-safe adaptive micro-batches (AdaptiveBatchController), steps (TokenBudgetSteps)."""
 
 import gc
 import math
@@ -362,34 +362,11 @@ class AdaptiveBatchController:
 
     def load_state_dict(self, state: dict) -> None:
         """Restore the state saved by state_dict()."""
-        missing = [k for k in ("micro_batch_size", "max_tokens", "seq_len", "step") if k not in state]
-        if missing:
+        if missing := [k for k in ("micro_batch_size", "max_tokens", "seq_len", "step") if k not in state]:
             raise ValueError(f"controller state is missing keys {missing} (has {sorted(state)})")
         for key in self._STATE:
             setattr(self, key, state.get(key, None if key == "uncut_len" else 0))
         self.events = [BatchEvent(**e) for e in state.get("events", [])]
-
-
-class StepSamples:
-    """Steps of `samples_per_step` samples, shuffled by seed + epoch (the last may be short) for fit(controller=...)."""
-    def __init__(self, dataset: Sequence, samples_per_step: int, shuffle: bool = True, seed: int = 0) -> None:
-        if int(samples_per_step) < 1 or len(dataset) == 0:
-            raise ValueError(f"StepSamples needs samples_per_step >= 1 (got {samples_per_step}) and a non-empty "
-                             f"dataset (got {len(dataset)} samples)")
-        self.dataset, self.samples_per_step, self.shuffle, self.seed = dataset, int(samples_per_step), shuffle, seed
-        self.epoch = 0
-
-    def set_epoch(self, epoch: int) -> None:
-        """Select the epoch's order."""
-        self.epoch = int(epoch)
-
-    def __len__(self) -> int:
-        return math.ceil(len(self.dataset) / self.samples_per_step)
-
-    def __iter__(self) -> Iterator[list]:
-        n, k = len(self.dataset), self.samples_per_step
-        order = np.random.default_rng([self.seed, self.epoch]).permutation(n) if self.shuffle else np.arange(n)
-        return ([self.dataset[int(i)] for i in order[s:s + k]] for s in range(0, n, k))
 
 
 class TokenBudgetSteps:

@@ -1,17 +1,11 @@
 """Byte-level BPE from scratch: the code written cell by cell in notebook 01_tokenizer, same names, same order.
 
-Text -> UTF-8 bytes -> one token per byte; training repeatedly finds the most frequent adjacent pair of tokens and
-gives it a new id (a *merge*). Encoding replays the merges; decoding joins the tokens' bytes.
-
-Two choices make it learn exactly what Hugging Face `tokenizers`' BpeTrainer learns with
-`ByteLevel(add_prefix_space=False, use_regex=False)` and `initial_alphabet=ByteLevel.alphabet()`
-(notebook 01 and tests/test_bpe.py prove it):
+Text -> UTF-8 bytes -> one token per byte; training repeatedly gives the most frequent adjacent pair of tokens a new
+id (a *merge*); encoding replays the merges in the order learned, each left to right; decoding joins the bytes.
+Two choices make it learn and encode exactly as `tokenizers`' BpeTrainer with `ByteLevel(add_prefix_space=False,
+use_regex=False)` and `initial_alphabet=ByteLevel.alphabet()` (notebook 01 and tests/test_bpe.py prove it):
 1. Byte ids follow `tokenizers`: bytes sorted by the printable character GPT-2 maps them to ('!' is 0, ' ' is 220).
-2. Count ties go to the smallest pair (left id, then right id), as BpeTrainer's priority queue does.
-Encoding replays the merges in the order learned, each left to right: the ids `tokenizers`' BPE model gives.
-"""
-
-from __future__ import annotations
+2. Count ties go to the smallest pair (left id, then right id), as BpeTrainer's priority queue does."""
 
 from collections import Counter
 from collections.abc import Iterable

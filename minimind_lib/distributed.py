@@ -3,8 +3,6 @@
 to the ranks, and `DDPController` all-reduces the step's trained-token count before any backward, so every rank
 divides by the same N (train.accumulate_step multiplies by world_size, as DDP averages, and uses no_sync())."""
 
-from __future__ import annotations
-
 import dataclasses
 import os
 from datetime import timedelta
@@ -119,11 +117,10 @@ class DistributedTokenBudgetSampler:
         batches, k = self.base.batches(self.epoch if epoch is None else int(epoch)), self.accum_steps
         return [batches[i:i + k] for i in range(0, len(batches), k)]
 
-    def split_step(self, step: Sequence[Sequence[int]], rank: int | None = None) -> list[list[int]]:
+    def split_step(self, step: Sequence[Sequence[int]]) -> list[list[int]]:
         """This rank's micro-batches of one global step, balanced by padded tokens (rows x longest row)."""
         costs = [len(b) * int(self.base.lengths[list(b)].max()) for b in step]
-        owned = assign_to_ranks(costs, self.num_replicas)[self.rank if rank is None else int(rank)]
-        return [list(step[i]) for i in owned]
+        return [list(step[i]) for i in assign_to_ranks(costs, self.num_replicas)[self.rank]]
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch the next iteration serves (train.DataStream calls it at each epoch start)."""

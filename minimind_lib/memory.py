@@ -1,13 +1,9 @@
 """Memory, built in notebook 03_model: measure it (MemoryMeter, CUDA and CPU), impose a budget, predict it.
 
-CUDA's caching allocator keeps exact counters (``torch.cuda.max_memory_allocated``). A CPU (or MPS) has none, so
-inside ``with meter.track(...)`` a TorchDispatchMode sees every op's outputs, adds each new storage's bytes and
-subtracts them when a weakref says the storage is freed; tensors that existed before (parameters, gradients,
-optimizer states, the batch) are found by walking the objects passed to ``track``. No RSS guesswork: live tensor
-bytes, what ``torch.cuda.memory_allocated`` reports. Unseen: scratch memory inside a kernel, and tensors created
-outside ``track`` that were not passed to it."""
-
-from __future__ import annotations
+CUDA's allocator counts exactly. On a CPU (or MPS), inside ``with meter.track(...)``, a TorchDispatchMode adds each
+new storage an op outputs and subtracts it when a weakref says it is freed; tensors that existed before are found by
+walking the objects passed to ``track``. Live tensor bytes, as ``torch.cuda.memory_allocated`` counts them, not RSS.
+Unseen: scratch memory inside a kernel, and tensors created outside ``track`` that were not passed to it."""
 
 import contextlib
 import weakref
@@ -39,16 +35,8 @@ class _LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        meter = self.meter
-        before = meter._current
-        # Fast paths for the common shapes of op outputs (a tensor, a flat tuple/list); pytree for the rest.
-        if isinstance(out, torch.Tensor):
-            flat = (out,)
-        elif isinstance(out, (tuple, list)) and all(isinstance(t, torch.Tensor) or t is None for t in out):
-            flat = out
-        else:
-            flat = tree_flatten(out)[0]
-        for t in flat:
+        meter, before = self.meter, self.meter._current
+        for t in (out,) if isinstance(out, torch.Tensor) else tree_flatten(out)[0]:  # most ops output one tensor
             if isinstance(t, torch.Tensor):
                 meter._add(t)
         if meter._current > before:
@@ -58,15 +46,13 @@ class _LiveBytes(TorchDispatchMode):
 
 class MemoryMeter:
     """Current and peak memory of one device; on CPU measured inside ``with meter.track(model, optimizer):``.
-
     budget_bytes: on CUDA a per-process memory fraction (the allocator raises torch.OutOfMemoryError); on CPU the
     first op whose output takes the tracked live bytes over it raises ``OutOfMemory``."""
 
     def __init__(self, device: torch.device | str = "cpu", budget_bytes: int | None = None):
         self.device = torch.device(device)
         self.is_cuda = self.device.type == "cuda"
-        if self.is_cuda and self.device.index is None:
-            # set_per_process_memory_fraction needs an index; "cuda" means the current device
+        if self.is_cuda and self.device.index is None:  # set_per_process_memory_fraction needs an index
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.budget_bytes, self._current, self._peak = None, 0, 0
         self._storages: dict[int, tuple[weakref.ref, int]] = {}  # StorageImpl address -> (weakref, nbytes)
@@ -86,7 +72,6 @@ class MemoryMeter:
             fraction = 1.0 if budget_bytes is None else min(1.0, budget_bytes / total)
             torch.cuda.set_per_process_memory_fraction(fraction, self.device)
 
-    # -- bookkeeping on CPU
     def _add(self, t: torch.Tensor) -> None:
         if t.device.type != self.device.type or t.is_sparse:
             return
@@ -112,24 +97,18 @@ class MemoryMeter:
                               f"({_fmt(new)}); live {live} bytes ({_fmt(live)}) exceeds the budget of {budget} bytes "
                               f"({_fmt(budget)})")
 
-    def register(self, *objs: Any) -> None:
-        """Count tensors that exist already: modules (params, buffers, grads), optimizers, tensors, containers."""
-        before = self._current
-        for obj in objs:
-            for t in _tensors_of(obj):
-                self._add(t)
-        self._check_budget(before, "registered tensors need")
-
     @contextlib.contextmanager
     def track(self, *objs: Any) -> Iterator["MemoryMeter"]:
         """Measure the code inside; `objs` (model, optimizer, batch) are walked first so they count: pass them on
         every call, as new gradients and optimizer states may exist since the last. On CUDA the allocator counts."""
-        if not self.is_cuda:
-            self.register(*objs)
+        if not self.is_cuda:  # count the tensors that exist already: parameters, gradients, optimizer states, batch
+            before = self._current
+            for t in _tensors_of(objs):
+                self._add(t)
+            self._check_budget(before, "registered tensors need")
         with contextlib.nullcontext() if self.is_cuda else _LiveBytes(self):
             yield self
 
-    # -- readings
     def reset_peak(self) -> None:
         """Start a new peak window at the current level."""
         self._peak = self._current
@@ -144,15 +123,6 @@ class MemoryMeter:
         """Highest current() since the last reset_peak()."""
         return torch.cuda.max_memory_allocated(self.device) if self.is_cuda else self._peak
 
-    def reserved(self) -> int:
-        """Bytes the CUDA caching allocator holds (on CPU: same as current(); there is no cache)."""
-        return torch.cuda.memory_reserved(self.device) if self.is_cuda else self._current
-
-    def stats(self) -> dict:
-        """current, peak, reserved and budget in bytes, for a metrics row."""
-        return {"current_bytes": self.current(), "peak_bytes": self.peak(), "reserved_bytes": self.reserved(),
-                "budget_bytes": self.budget_bytes}
-
     def __repr__(self) -> str:
         return (f"MemoryMeter(device={self.device}, current={_fmt(self.current())}, peak={_fmt(self.peak())}, "
                 f"budget={None if self.budget_bytes is None else _fmt(self.budget_bytes)})")
@@ -163,15 +133,10 @@ def _tensors_of(obj: Any) -> Iterator[torch.Tensor]:
     if isinstance(obj, torch.Tensor):
         yield from (obj,) if obj.grad is None else (obj, obj.grad)
     elif isinstance(obj, nn.Module):
-        for p in obj.parameters():
-            yield from _tensors_of(p)
-        yield from obj.buffers()
-    elif isinstance(obj, torch.optim.Optimizer):
-        for group in obj.param_groups:
-            for p in group["params"]:
-                yield from _tensors_of(p)
-        for state in obj.state.values():
-            yield from (v for v in state.values() if isinstance(v, torch.Tensor))
+        yield from _tensors_of([*obj.parameters(), *obj.buffers()])
+    elif isinstance(obj, torch.optim.Optimizer):  # its parameters (with their grads), then their states
+        params = [p for group in obj.param_groups for p in group["params"]]
+        yield from _tensors_of([params, list(obj.state.values())])
     elif isinstance(obj, (dict, list, tuple)):
         for v in obj.values() if isinstance(obj, dict) else obj:
             yield from _tensors_of(v)
@@ -233,11 +198,8 @@ def estimate_memory(config, batch_size: int, seq_len: int, amp: str = "off", opt
 def measure_step_memory(config, batch_size: int, seq_len: int, amp: str = "off", optimizer: str = "adamw",
                         device: torch.device | str = "cpu", fake: bool = False, seed: int = 0) -> dict:
     """Measure one steady-state training step (fwd + bwd + optimizer step) of a fresh model with a MemoryMeter.
-
-    A first step on zero gradients creates the optimizer states, as in every later step of a run. fake=True runs on
-    FakeTensors (storages without arithmetic or real memory): the same count, for sizes this machine cannot hold.
-    amp autocasts the forward (a GradScaler would not change memory). Returns peak_bytes, current_bytes (after the
-    step), n_params and the inputs."""
+    fake=True runs on FakeTensors (storages without arithmetic or real memory): the same count, for sizes this machine
+    cannot hold. amp autocasts the forward (a GradScaler would not change memory)."""
     _check_step_args(batch_size, seq_len, amp, optimizer)
     device = torch.device("cpu") if fake else torch.device(device)  # fake tensors: bytes are device-independent
     meter = MemoryMeter(device)
@@ -247,7 +209,7 @@ def measure_step_memory(config, batch_size: int, seq_len: int, amp: str = "off",
         opt = _OPTIMIZERS[optimizer][1](list(model.parameters()))
         for p in model.parameters():
             p.grad = torch.zeros_like(p)
-        opt.step()  # creates the optimizer states, as the first step of a run would
+        opt.step()  # creates the optimizer states: measure a steady-state step, as every later step of a run is
         opt.zero_grad(set_to_none=True)
         x = torch.randint(0, config.vocab_size, (batch_size, seq_len), device=device)
         meter.reset_peak()

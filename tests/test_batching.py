@@ -8,10 +8,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from benchmarks.batching import StepSamples
 from minimind_lib.batching import (
     AdaptiveBatchController,
     PackedDataset,
-    StepSamples,
     TokenBudgetBatchSampler,
     TokenBudgetSteps,
     block_causal_mask,
