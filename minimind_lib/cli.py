@@ -25,13 +25,12 @@ from .profiles import get_profile
 def number(kind: type, low: float, low_ok: bool = True):
     """An argparse type: a finite `kind` >= low (> low when not low_ok), refused with the rule it breaks."""
     def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a{'n integer' if kind is int else ' number'}") from None
+        value = kind(text)  # not a number: argparse says "invalid integer value: 'x'" (the function's name)
         if not math.isfinite(value) or value < low or (value == low and not low_ok):
-            raise argparse.ArgumentTypeError(f"{text}: must be a finite number {'>=' if low_ok else '>'} {low}")
+            raise argparse.ArgumentTypeError(f"{text}: must be {'an integer' if kind is int else 'a finite number'} "
+                                             f"{'>=' if low_ok else '>'} {low}")
         return value
+    parse.__name__ = "integer" if kind is int else "number"
     return parse
 
 
@@ -104,28 +103,25 @@ def cmd_chat(args: argparse.Namespace) -> int:
     if args.prompt is not None:
         print(chat(args.prompt, model, tok, **opts))
         return 0
-    history: list[dict] | None = [] if sys.stdin.isatty() else None
-    if sys.stdin.isatty():
+    tty = sys.stdin.isatty()
+    history: list[dict] = []  # a terminal's conversation goes on; piped lines are answered one by one
+    if tty:
         print("chat with the model (Ctrl-D or /exit to quit, /reset to forget the conversation)", file=sys.stderr)
     while True:
         try:
-            line = input("you> " if sys.stdin.isatty() else "")
+            line = input("you> " if tty else "").strip()
         except (EOFError, KeyboardInterrupt):
             print(file=sys.stderr)
             return 0
-        line = line.strip()
-        if not line:
-            continue
         if line in ("/exit", "/quit"):
             return 0
         if line == "/reset":
-            history = [] if history is not None else None
-            continue
-        if sys.stdin.isatty():
+            history.clear()
+        elif line and tty:
             print("model> ", end="", flush=True)
             chat(line, model, tok, history=history, stream=lambda s: print(s, end="", flush=True), **opts)
             print()
-        else:
+        elif line:
             print(chat(line, model, tok, **opts), flush=True)
 
 

@@ -52,39 +52,35 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
 
 @contextlib.contextmanager
 def exclusive_dir(directory: str | os.PathLike) -> Iterator[Path]:
-    """Hold an exclusive lock on DIR/.lock for the block (FileExistsError names the pid holding it); on entry remove
-    the temp files an interrupted atomic write left there. What the lock created (file, empty folder) goes at exit."""
+    """Hold an exclusive lock on a directory for the block (another holder: FileExistsError naming its pid, kept in
+    DIR/.lock meanwhile); first remove the temp files an interrupted atomic write left there. A directory created
+    here and left empty is removed at the end."""
     if (directory := Path(directory)).exists() and not directory.is_dir():
         raise FileExistsError(f"{directory} is a file, not a directory")
-    created, lock = not directory.exists(), directory / LOCK_FILE
+    created, pid_file = not directory.exists(), directory / LOCK_FILE
     directory.mkdir(parents=True, exist_ok=True)
-    created_lock = not lock.exists()
-    with open(lock, "a+", encoding="utf-8") as f:
-        try:
-            if fcntl is not None:
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            if os.fstat(f.fileno()).st_ino != os.stat(lock).st_ino:  # its last holder removed it as we opened it
-                raise BlockingIOError
-        except (BlockingIOError, FileNotFoundError):
-            f.seek(0)
-            raise FileExistsError(f"{directory} is in use by pid {f.read().strip() or '?'} (another run writes "
-                                  f"there); wait for it to end or choose another directory") from None
-        f.truncate(0)
-        f.write(str(os.getpid()))
-        f.flush()
+    fd = os.open(directory, os.O_RDONLY)  # the lock is on the directory itself: a kill leaves nothing locked
+    try:
+        if fcntl is not None:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        holder = pid_file.read_text().strip() if pid_file.is_file() else ""
+        raise FileExistsError(f"{directory} is in use by pid {holder or '?'} (another run writes there); wait for "
+                              f"it to end or choose another directory") from None
+    try:
+        pid_file.write_text(str(os.getpid()))
         for stale in directory.glob(".*.tmp*"):  # atomic_open's .NAME.XXXX.tmp, start_run_dir's .tokenizer.tmp-PID
             if stale.is_dir():
                 shutil.rmtree(stale)
             else:
                 stale.unlink()
-        try:
-            yield directory
-        finally:
-            f.truncate(0)
-            if created_lock:
-                lock.unlink()
-            if created and not any(directory.iterdir()):
-                directory.rmdir()
+        yield directory
+    finally:
+        pid_file.unlink(missing_ok=True)
+        if created and not any(directory.iterdir()):
+            directory.rmdir()
+        os.close(fd)
 
 
 def file_fingerprint(path: str | os.PathLike, span: int = 2**20) -> dict:

@@ -18,8 +18,7 @@ DATA_FILE_PATTERNS = {"pretrain": ("pretrain.jsonl", "pretrain_hq.jsonl", "pretr
 
 def find_data_file(stage: str) -> Path:
     """The first file in DATA_DIR matching the stage's DATA_FILE_PATTERNS; FileNotFoundError lists what was sought."""
-    for pattern in DATA_FILE_PATTERNS[stage]:
-        if found := sorted(DATA_DIR.glob(pattern)):
-            return found[0]
+    if found := [path for pattern in DATA_FILE_PATTERNS[stage] for path in sorted(DATA_DIR.glob(pattern))]:
+        return found[0]
     raise FileNotFoundError(f"no {stage} data in {DATA_DIR} (looked for {', '.join(DATA_FILE_PATTERNS[stage])}); "
                             f"pass --data FILE or set MINIMIND_DATA_DIR to the folder holding one")

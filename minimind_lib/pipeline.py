@@ -384,59 +384,54 @@ def _run(s: RunSettings, dinfo: Any = None) -> RunResult:
     """One run, the steps of notebook 07 in order; under torchrun (dinfo) one rank of it, rank 0 writing OUT (and
     holding its lock: a second run into the same OUT is refused while this one lives)."""
     main = dinfo is None or dinfo.is_main  # the one process that logs and writes files
+    log = s.log if main else (lambda msg: None)
     prof = s.profile if isinstance(s.profile, Profile) else get_profile(s.profile)
     device = dinfo.device if dinfo is not None else torch.device(s.device) if s.device is not None else get_device()
     s = resolve_settings(s, prof)
-    inputs = _inputs(s, prof, device)
-    with exclusive_dir(s.out) if main else contextlib.nullcontext():
-        return _train(s, prof, device, inputs, dinfo, s.log if main else (lambda msg: None))
-
-
-def _train(s: RunSettings, prof: Profile, device: torch.device, inputs: tuple, dinfo: Any,
-           log: Callable[[str], None]) -> RunResult:
-    """_run's steps once OUT is locked: checks, 1. data, 2. steps, 3. controller, 4. the loop, 5. the run directory."""
-    (tok, mcfg, preset, init_state), main, out = inputs, dinfo is None or dinfo.is_main, Path(s.out)
-    check_out_dir(out, s.resume, s.overwrite)
-    cfg, amp = train_config(s), resolve_amp(s.amp, device)
-    run_cfg = _run_config(s, prof, preset, mcfg, tok, device, dinfo)
-    saved_state = check_resume(out, run_cfg, cfg, dinfo) if s.resume else None
-    ds, val, n_held_out = _datasets(s, tok, dinfo, log)  # 1. data
-    steps = train_steps(ds, s, dinfo)  # 2. the optimizer steps
-    sampler = steps.base if dinfo is not None else steps.batch_sampler
-    run_cfg["data_stats"] = {**ds.stats.to_dict(), "batches_per_epoch": len(sampler)}
-    if n_held_out is not None:
-        run_cfg["sft_val_holdout"] = n_held_out
-    # 3. the controller (under DDP every rank would have to agree on each change of size: none)
-    controller = None if dinfo is not None else make_controller(device, s.max_tokens, s.seq_len, tok.pad_token_id)
-    torch.manual_seed(s.seed)  # the same seed, the same initial weights
-    model = MiniMindForCausalLM(mcfg)
-    if init_state is not None:
-        model.load_state_dict(init_state)
-    if main:
-        start_run_dir(out, run_cfg, tok, s.resume)
-    start_step = int(saved_state["step"]) if saved_state is not None else 0
-    rec = Recorder(out, s, saved_state, model, tok, write=main)
-    log(f"{s.stage}: {s.steps} steps x {s.accum_steps} micro-batches of <= {s.max_tokens} tokens (seq_len "
-        f"{s.seq_len}), lr {s.lr:g}, {amp.reason}, device {device}"
-        + (f", {dinfo.world_size} ranks ({dinfo.backend})" if dinfo is not None else "")
-        + (f"; resuming {out} at step {start_step} of {s.steps}" if s.resume else ""))
-    t0 = time.perf_counter()
-    if not s.resume and val and main:
-        rec.prior = eval_before_training(model, val, device, amp.dtype)
-        log(f"{s.stage}: validation loss before training {rec.prior['val_loss'].iloc[0]:.3f}")
-    resume_from = out / STATE_FILE if s.resume else None
-    if dinfo is not None:  # 4. the loop
-        df = D.fit_distributed(model, steps, cfg, info=dinfo, val_batches=val, pad_id=tok.pad_token_id,
-                               callbacks=[rec], resume_from=resume_from)
-    else:
-        with _stop_on_signals(rec):
-            df = fit(model, steps, cfg, device=device, val_batches=val, controller=controller, callbacks=[rec],
-                     resume_from=resume_from)
-    metrics, summary = _finish(rec, df, run_cfg, time.perf_counter() - t0, start_step, controller, dinfo)
-    if rec.interrupted:
-        raise RunError(f"stopped by {rec.interrupted} after step {summary['steps']} of {s.steps}: {out / STATE_FILE} "
-                       f"holds it; continue with --resume")
-    return RunResult(out, model.eval(), tok, metrics, run_cfg, summary, rec.samples)
+    tok, mcfg, preset, init_state = _inputs(s, prof, device)
+    out = Path(s.out)
+    with exclusive_dir(out) if main else contextlib.nullcontext():
+        check_out_dir(out, s.resume, s.overwrite)
+        cfg, amp = train_config(s), resolve_amp(s.amp, device)
+        run_cfg = _run_config(s, prof, preset, mcfg, tok, device, dinfo)
+        saved_state = check_resume(out, run_cfg, cfg, dinfo) if s.resume else None
+        ds, val, n_held_out = _datasets(s, tok, dinfo, log)  # 1. data
+        steps = train_steps(ds, s, dinfo)  # 2. the optimizer steps
+        sampler = steps.base if dinfo is not None else steps.batch_sampler
+        run_cfg["data_stats"] = {**ds.stats.to_dict(), "batches_per_epoch": len(sampler)}
+        if n_held_out is not None:
+            run_cfg["sft_val_holdout"] = n_held_out
+        # 3. the controller (under DDP every rank would have to agree on each change of size: none)
+        controller = None if dinfo is not None else make_controller(device, s.max_tokens, s.seq_len, tok.pad_token_id)
+        torch.manual_seed(s.seed)  # the same seed, the same initial weights
+        model = MiniMindForCausalLM(mcfg)
+        if init_state is not None:
+            model.load_state_dict(init_state)
+        if main:
+            start_run_dir(out, run_cfg, tok, s.resume)
+        start_step = int(saved_state["step"]) if saved_state is not None else 0
+        rec = Recorder(out, s, saved_state, model, tok, write=main)
+        log(f"{s.stage}: {s.steps} steps x {s.accum_steps} micro-batches of <= {s.max_tokens} tokens (seq_len "
+            f"{s.seq_len}), lr {s.lr:g}, {amp.reason}, device {device}"
+            + (f", {dinfo.world_size} ranks ({dinfo.backend})" if dinfo is not None else "")
+            + (f"; resuming {out} at step {start_step} of {s.steps}" if s.resume else ""))
+        t0 = time.perf_counter()
+        if not s.resume and val and main:
+            rec.prior = eval_before_training(model, val, device, amp.dtype)
+            log(f"{s.stage}: validation loss before training {rec.prior['val_loss'].iloc[0]:.3f}")
+        resume_from = out / STATE_FILE if s.resume else None
+        if dinfo is not None:  # 4. the loop
+            df = D.fit_distributed(model, steps, cfg, info=dinfo, val_batches=val, pad_id=tok.pad_token_id,
+                                   callbacks=[rec], resume_from=resume_from)
+        else:
+            with _stop_on_signals(rec):
+                df = fit(model, steps, cfg, device=device, val_batches=val, controller=controller, callbacks=[rec],
+                         resume_from=resume_from)
+        metrics, summary = _finish(rec, df, run_cfg, time.perf_counter() - t0, start_step, controller, dinfo)
+        if rec.interrupted:
+            raise RunError(f"stopped by {rec.interrupted} after step {summary['steps']} of {s.steps}: "
+                           f"{out / STATE_FILE} holds it; continue with --resume")
+        return RunResult(out, model.eval(), tok, metrics, run_cfg, summary, rec.samples)
 
 
 @contextlib.contextmanager
