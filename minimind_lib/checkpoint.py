@@ -1,6 +1,7 @@
 """Checkpoints: the whole training state that resumes notebook 04_gradient_accumulation's loop (train.fit: model,
 optimizer, GradScaler, step, data position `DataStream`, controller, RNGs), and the run directory notebook 07 writes
-(config.json, model.pth, tokenizer/: `start_run_dir`, `load_run`). Everything is read back with weights_only=True."""
+(config.json, model.pth, tokenizer/: `start_run_dir`, `load_run`) with the checks before a run writes there
+(`check_out_dir`, `check_resume`). Everything is read back with weights_only=True."""
 
 from __future__ import annotations
 
@@ -156,8 +157,8 @@ RUN_FORMAT, RUN_VERSION = "minimind-run", 1
 CONFIG_FILE, MODEL_FILE, TOKENIZER_DIR, METRICS_FILE = "config.json", "model.pth", "tokenizer", "metrics.csv"
 STATE_FILE, SAMPLES_FILE, SUMMARY_FILE = "last.pt", "samples.jsonl", "summary.json"
 RUN_FILES = (CONFIG_FILE, MODEL_FILE, METRICS_FILE, STATE_FILE, SAMPLES_FILE, SUMMARY_FILE)
-# config.json's settings that fix the order and shape of the data: resuming with another value would train on other batches
-# than the saved position refers to, so it is an error.
+# config.json's settings that fix the order and shape of the data: resuming with another value would train on
+# other batches than the saved position refers to, so it is an error.
 RESUME_KEYS = ("stage", "model", "data", "val_data", "seq_len", "max_tokens", "val_batches", "max_samples", "batching",
                "long_docs", "init", "on_error", "data_fingerprint", "val_data_fingerprint")
 
@@ -211,9 +212,9 @@ def check_resume(out: Path, run_cfg: dict, cfg: Any, dinfo: Any) -> dict:
     saved = read_run_config(out)
     for key in RESUME_KEYS:
         if key.endswith("fingerprint") and saved.get(key) != run_cfg.get(key):
-            raise RunError(f"cannot resume {out}: the file {run_cfg.get(key[:-12])} changed since the run started (size "
-                           f"and content: {saved.get(key)} then, {run_cfg.get(key)} now); its saved position would "
-                           f"point into other samples: restore the file or start a new --out")
+            raise RunError(f"cannot resume {out}: the file {run_cfg.get(key[:-12])} changed since the run started "
+                           f"(size and content: {saved.get(key)} then, {run_cfg.get(key)} now); its saved position "
+                           f"would point into other samples: restore the file or start a new --out")
         if saved.get(key) != run_cfg.get(key):
             raise RunError(f"cannot resume {out}: {key!r} differs (run: {saved.get(key)!r:.200}, now: "
                            f"{run_cfg.get(key)!r:.200}); use the run's settings or start a new --out")

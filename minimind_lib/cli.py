@@ -47,17 +47,17 @@ def _add_train_args(p: argparse.ArgumentParser, stage: str) -> None:
         p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the bundled 6400-token tokenizer)")
     else:
         p.add_argument("--init", required=True, help="the pretraining run directory to start from")
-    p.add_argument("--max-tokens", type=POSITIVE, default=None, help="padded tokens per micro-batch (default: the profile's)")
-    p.add_argument("--accum", type=POSITIVE, default=None, help="micro-batches per optimizer step (default: the profile's)")
+    p.add_argument("--max-tokens", type=POSITIVE, help="padded tokens per micro-batch (default: the profile's)")
+    p.add_argument("--accum", type=POSITIVE, help="micro-batches per optimizer step (default: the profile's)")
     p.add_argument("--amp", choices=("auto", "bf16", "fp16", "off"), default="auto", help="mixed precision (default: auto)")
-    p.add_argument("--steps", type=POSITIVE, default=None, help="optimizer steps (default: the profile's)")
-    p.add_argument("--lr", type=number(float, 0.0, low_ok=False), default=None, help="peak learning rate (default: the profile's)")
-    p.add_argument("--seq-len", type=POSITIVE, default=None, help="longest sample in tokens (default: the profile's)")
+    p.add_argument("--steps", type=POSITIVE, help="optimizer steps (default: the profile's)")
+    p.add_argument("--lr", type=number(float, 0.0, low_ok=False), help="peak learning rate (default: the profile's)")
+    p.add_argument("--seq-len", type=POSITIVE, help="longest sample in tokens (default: the profile's)")
     p.add_argument("--val-data", default=None, help="validation jsonl (pretrain default: data/pretrain_val.jsonl)")
-    p.add_argument("--val-batches", type=POSITIVE, default=4, help="validation micro-batches per evaluation (default 4)")
-    p.add_argument("--eval-every", type=POSITIVE, default=None, help="optimizer steps between validations (default: the profile's)")
+    p.add_argument("--val-batches", type=POSITIVE, default=4, help="validation micro-batches per eval (default 4)")
+    p.add_argument("--eval-every", type=POSITIVE, help="optimizer steps between validations (default: the profile's)")
     p.add_argument("--cache", default=None, help="memmap cache directory (default: next to --out)")
-    p.add_argument("--max-samples", type=NON_NEGATIVE, default=None, help="read at most N samples (0: all; default: the profile's)")
+    p.add_argument("--max-samples", type=NON_NEGATIVE, help="read at most N samples (0: all; default: the profile's)")
     p.add_argument("--device", default=None, help="cuda, mps or cpu (default: the best available)")
     p.add_argument("--resume", action="store_true", help="continue --out from its last.pt (same settings required)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing run in --out")
@@ -74,7 +74,8 @@ def _train_kwargs(args: argparse.Namespace) -> dict:
                 steps=args.steps, lr=args.lr, seq_len=args.seq_len, val_data=args.val_data, cache_dir=args.cache,
                 val_batches=args.val_batches, eval_every=args.eval_every, max_samples=args.max_samples,
                 device=args.device, resume=args.resume, overwrite=args.overwrite, stop_after=args.stop_after,
-                seed=args.seed, progress=not args.no_progress, on_error=args.on_error, log=lambda msg: print(msg, file=sys.stderr, flush=True))
+                seed=args.seed, progress=not args.no_progress, on_error=args.on_error,
+                log=lambda msg: print(msg, file=sys.stderr, flush=True))
 
 
 def cmd_info(args: argparse.Namespace) -> int:

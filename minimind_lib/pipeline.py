@@ -140,14 +140,13 @@ def resolve_settings(s: RunSettings, prof: Profile) -> RunSettings:
         sample_every=given(s.sample_every, max(eval_every, -(-steps // 4))),
         sample_prompts=tuple(DEFAULT_SAMPLE_PROMPTS if s.sample_prompts is None else s.sample_prompts))
     for name, low in (("seq_len", 1), ("max_tokens", 1), ("accum_steps", 1), ("steps", 1), ("eval_every", 1),
-                      ("ckpt_every", 1), ("val_batches", 1), ("max_samples", 0), ("stop_after", 1), ("sample_every", 0)):
+                      ("ckpt_every", 1), ("val_batches", 1), ("max_samples", 0), ("stop_after", 1),
+                      ("sample_every", 0)):
         value = getattr(s if name == "max_samples" else r, name)  # r.max_samples: None means "all"
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
             raise RunError(f"{name}={value!r}: must be an integer >= {low}")
     if not (isinstance(r.lr, (int, float)) and math.isfinite(r.lr) and r.lr > 0):
         raise RunError(f"lr={r.lr!r}: the learning rate must be a finite number > 0")
-    if r.on_error not in ("raise", "skip"):
-        raise RunError(f"on_error={r.on_error!r}: choose 'raise' or 'skip'")
     if r.max_tokens < r.seq_len:
         raise RunError(f"max_tokens={r.max_tokens} is smaller than seq_len={r.seq_len}: a full-length sample would "
                        f"not fit one micro-batch; raise --max-tokens or lower the sequence length")
@@ -187,7 +186,8 @@ def _inputs(s: RunSettings, prof: Profile, device: torch.device) -> tuple[Any, M
         except ValueError as e:
             raise RunError(f"tokenizer/model vocab mismatch: {e}") from None
     if s.seq_len > mcfg.max_position_embeddings:
-        raise RunError(f"seq_len={s.seq_len} exceeds the model's max_position_embeddings={mcfg.max_position_embeddings}")
+        raise RunError(f"seq_len={s.seq_len} exceeds the model's max_position_embeddings="
+                       f"{mcfg.max_position_embeddings}")
     return tok, mcfg, preset, init_state
 
 

@@ -55,7 +55,8 @@ class Cases:
         if python is not None:
             argv, shown = [sys.executable, "-c", python], f"python -c '{python}'"
         else:
-            args = [*args, *(TINY if tiny and args[0] in ("pretrain", "sft") else []), *self.cache[:2 * (args[0] != "chat")]]
+            train = args[0] in ("pretrain", "sft")
+            args = [*args, *(TINY if tiny and train else []), *(self.cache if train else [])]
             argv, shown = [sys.executable, "-m", "minimind_lib", *map(str, args)], self.show(["minimind", *args])
         p = subprocess.run(argv, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
         return self.record(case, shown, p.returncode, p.stdout, p.stderr, expect, check)
@@ -109,8 +110,8 @@ def data_cases(c: Cases, pre_lines: list[str]) -> None:
                                          "--on-error", "skip"], expect=0,
           check=lambda: f"n_skipped={json.loads((t / 'r3/config.json').read_text())['data_stats']['n_skipped']}")
     c.run("empty data file", ["pretrain", "--out", t / "r4", "--data", c.data("empty.jsonl", [])])
-    c.run("pretrain file given to sft", ["sft", "--out", t / "r5", "--init", t / "pre", "--data", DATA / "pretrain.jsonl",
-                                         "--steps", 1])
+    c.run("pretrain file given to sft", ["sft", "--out", t / "r5", "--init", t / "pre", "--data",
+                                         DATA / "pretrain.jsonl", "--steps", 1])
     long_system = json.dumps({"conversations": [{"role": "system", "content": "word " * 100},
                                                 {"role": "user", "content": "hi"},
                                                 {"role": "assistant", "content": "hello"}]}) + "\n"
@@ -153,8 +154,8 @@ def out_dir_cases(c: Cases) -> None:
     wait_for(t / "two/.lock", first)
     c.run("two runs into one --out (the second)", ["pretrain", "--out", t / "two", "--steps", 300])
     out, err = first.communicate(timeout=600)
-    c.record("two runs into one --out (the first)", c.show(["minimind", "pretrain", "--out", t / "two", "--steps",
-                                                            300, "--eval-every", 100, *TINY]), first.returncode, out, err, 0,
+    shown = c.show(["minimind", "pretrain", "--out", t / "two", "--steps", 300, "--eval-every", 100, *TINY])
+    c.record("two runs into one --out (the first)", shown, first.returncode, out, err, 0,
              lambda: f"its run complete: {json.loads((t / 'two/summary.json').read_text())['steps']} steps")
 
 
@@ -251,7 +252,8 @@ def write_table(rows: list, path: Path, seconds: float) -> None:
              "for a refused input, 1 for a library call that raises) with no traceback.", "",
              f"{len(rows)} cases, {sum(r[4] == 'yes' for r in rows)} as promised; the whole script took "
              f"{seconds / 60:.1f} minutes.", "",
-             "| case | command | exit | first error line (or what was checked) | as promised |", "|---|---|---|---|---|"]
+             "| case | command | exit | first error line (or what was checked) | as promised |",
+             "|---|---|---|---|---|"]
     lines += [f"| {case} | `{cmd}` | {code} | {what} | {ok} |" for case, cmd, code, what, ok in rows]
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
 
