@@ -70,6 +70,7 @@ class Cases:
         tracebacks = 0 if library else err.count("Traceback")
         warning = next((line.split("Warning: ", 1)[1] for line in lines if "Warning: " in line), "")
         result = "ok" + (f", warns: {warning}" if warning else "") + (f", prints: {out.strip()}" if out.strip() else "")
+        result = result if library else "ok"
         first = f"(killed by signal {-code}: no output)" if code < 0 else first
         what = (first if code else result) + (f"; {note}" if note else "") + ("; TRACEBACK" if tracebacks else "")
         ok = (expect is None or code == expect) and not tracebacks and note is not False
