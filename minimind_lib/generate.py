@@ -16,7 +16,7 @@ import torch.nn as nn
 def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
                 generator: torch.Generator | None = None) -> torch.Tensor:
     """Pick one token per row from logits (B, V): greedy when temperature == 0, else filtered sampling."""
-    if not temperature >= 0 or temperature == float("inf"):  # NaN fails every comparison
+    if not 0 <= temperature < float("inf"):  # NaN fails every comparison
         raise ValueError(f"temperature must be >= 0 and finite, got {temperature}")
     if not 0.0 < top_p <= 1.0:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
