@@ -1,6 +1,7 @@
 """Checkpoints: the whole training state that resumes notebook 04_gradient_accumulation's loop (train.fit: model,
 optimizer, GradScaler, step, data position `DataStream`, controller, RNGs), and the run directory notebook 07 writes
-(config.json, model.pth, tokenizer/: `start_run_dir`, `load_run`). Everything is read back with weights_only=True."""
+(config.json, model.pth, tokenizer/: `start_run_dir`, `load_run`) with the checks before a run writes there
+(`check_out_dir`, `check_resume`). Everything is read back with weights_only=True."""
 
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ from torch import nn
 
 from .corpus import tokenizer_fingerprint
 from .fileio import atomic_open, atomic_write_text
-from .model import MiniMindConfig, MiniMindForCausalLM, check_state_dict, load_checkpoint
-from .tokenizer import check_vocab, load_tokenizer
+from .model import MiniMindConfig, MiniMindForCausalLM, check_state_dict, load_checkpoint, unreadable_checkpoint
+from .tokenizer import CONFIG_FILE as TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, check_vocab, load_tokenizer
 
 FORMAT, VERSION = "minimind-train-state", 1
 
@@ -110,7 +111,7 @@ def read_training_state(path: str | Path, map_location: Any = "cpu") -> dict:
     try:
         state = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:  # truncated, not a torch file, or holds objects weights_only refuses
-        raise ValueError(f"cannot read training checkpoint {path} (corrupt or not a checkpoint): {e!r:.300}") from e
+        raise ValueError(unreadable_checkpoint(path, e, "training checkpoint")) from None
     found = state.get("format") if isinstance(state, dict) else type(state).__name__
     if found != FORMAT:
         raise ValueError(f"{path}: not a training checkpoint (format={found!r}); for weights use model.load_checkpoint")
@@ -156,6 +157,10 @@ RUN_FORMAT, RUN_VERSION = "minimind-run", 1
 CONFIG_FILE, MODEL_FILE, TOKENIZER_DIR, METRICS_FILE = "config.json", "model.pth", "tokenizer", "metrics.csv"
 STATE_FILE, SAMPLES_FILE, SUMMARY_FILE = "last.pt", "samples.jsonl", "summary.json"
 RUN_FILES = (CONFIG_FILE, MODEL_FILE, METRICS_FILE, STATE_FILE, SAMPLES_FILE, SUMMARY_FILE)
+# config.json's settings that fix the order and shape of the data: resuming with another value would train on
+# other batches than the saved position refers to, so it is an error.
+RESUME_KEYS = ("stage", "model", "data", "val_data", "seq_len", "max_tokens", "val_batches", "max_samples", "batching",
+               "long_docs", "init", "on_error", "data_fingerprint", "val_data_fingerprint")
 
 
 class RunError(ValueError):
@@ -181,6 +186,55 @@ def read_run_config(run_dir: str | Path) -> dict:
         if key not in cfg:
             raise RunError(f"{path}: lacks key {key!r}")
     return cfg
+
+
+def check_out_dir(out: Path, resume: bool, overwrite: bool) -> None:
+    """Refuse to clobber an existing run unless resuming it or told to overwrite, and to replace a tokenizer/ that
+    holds files this program does not write there (they are the user's)."""
+    tok_dir, ours = out / TOKENIZER_DIR, {TOKENIZER_FILE, TOKENIZER_CONFIG_FILE}
+    if tok_dir.exists() and (not (out / CONFIG_FILE).is_file() or not tok_dir.is_dir()
+                             or {p.name for p in tok_dir.iterdir()} - ours):
+        raise RunError(f"{tok_dir} exists and is not a tokenizer this program wrote (only {sorted(ours)} in a run "
+                       f"directory); a run would replace it: move it away or choose another --out")
+    if resume:
+        for name, what in ((STATE_FILE, "no training state"), (CONFIG_FILE, "no run config")):
+            if not (out / name).is_file():
+                raise FileNotFoundError(f"--resume: {what} {out / name} to resume from; {out} is not a run to resume")
+        return
+    existing = [name for name in RUN_FILES if (out / name).exists()]
+    if existing and not overwrite:
+        raise RunError(f"{out} already holds a run ({', '.join(existing)}); pass --resume to continue it, "
+                       f"--overwrite to replace it, or choose another --out")
+
+
+def check_resume(out: Path, run_cfg: dict, cfg: Any, dinfo: Any) -> dict:
+    """Compare the new run's settings with the saved run before anything is written; returns the saved state."""
+    saved = read_run_config(out)
+    for key in RESUME_KEYS:
+        if key.endswith("fingerprint") and saved.get(key) != run_cfg.get(key):
+            raise RunError(f"cannot resume {out}: the file {run_cfg.get(key[:-12])} changed since the run started "
+                           f"(size and content: {saved.get(key)} then, {run_cfg.get(key)} now); its saved position "
+                           f"would point into other samples: restore the file or start a new --out")
+        if saved.get(key) != run_cfg.get(key):
+            raise RunError(f"cannot resume {out}: {key!r} differs (run: {saved.get(key)!r:.200}, now: "
+                           f"{run_cfg.get(key)!r:.200}); use the run's settings or start a new --out")
+    if saved["tokenizer"].get("fingerprint") != run_cfg["tokenizer"]["fingerprint"]:
+        raise RunError(f"cannot resume {out}: the tokenizer differs from the run's ({saved['tokenizer']} vs "
+                       f"{run_cfg['tokenizer']})")
+    state = read_training_state(out / STATE_FILE)  # clear error for a missing or corrupt last.pt
+    if int(state["step"]) >= cfg.max_steps and (out / SUMMARY_FILE).is_file():
+        raise RunError(f"{out} is a finished run ({state['step']} of {cfg.max_steps} steps): nothing to resume, "
+                       f"nothing changed; train longer in a new --out (e.g. sft --init {out})")
+    try:
+        check_config(state["config"], cfg, out / STATE_FILE)
+    except ValueError as e:
+        raise RunError(str(e) + "; use the run's settings (see its config.json) or start a new --out") from None
+    saved_ddp = "world_size" in (state.get("controller") or {})  # a DDP state counts global steps
+    if saved_ddp != (dinfo is not None):
+        raise RunError(f"cannot resume {out}: it was trained {'with' if saved_ddp else 'without'} torchrun (data "
+                       f"parallel), this run is {'with' if dinfo else 'without'}; its data position means something "
+                       f"else (resuming with another number of ranks >= 2 works)")
+    return state
 
 
 def load_run(run_dir: str | Path, device: torch.device | str | None = None):

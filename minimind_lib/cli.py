@@ -1,14 +1,17 @@
 """The command line of notebooks 07_pretrain and 08_sft: `python -m minimind_lib info|pretrain|sft|chat ...`.
 
 It calls the same functions as the notebooks (pipeline.pretrain/sft, checkpoint.load_run, generate.chat): no copy
-of their logic; `--help` on each command lists its options. Every bad input (missing/corrupt checkpoint, missing data, tokenizer/model vocab mismatch, --resume with other
-settings) prints one clear `error: ...` line on stderr and exits with code 2, before anything in --out is written.
+of their logic; `--help` on each command lists its options. Every bad input (a zero or negative size, missing or
+corrupt data or checkpoint, tokenizer/model vocab mismatch, --resume with other settings or changed data, an --out in
+use by another run) prints one `error: ...` line on stderr and exits with code 2, before anything in --out is written.
+Ctrl-C or SIGTERM during training ends the run after the current step with a checkpoint (continue with --resume).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 
@@ -17,6 +20,21 @@ from .device import device_report
 from .generate import chat
 from .pipeline import pretrain, sft
 from .profiles import get_profile
+
+
+def number(kind: type, low: float, low_ok: bool = True):
+    """An argparse type: a finite `kind` >= low (> low when not low_ok), refused with the rule it breaks."""
+    def parse(text: str):
+        value = kind(text)  # not a number: argparse says "invalid integer value: 'x'" (the function's name)
+        if not math.isfinite(value) or value < low or (value == low and not low_ok):
+            raise argparse.ArgumentTypeError(f"{text}: must be {'an integer' if kind is int else 'a finite number'} "
+                                             f"{'>=' if low_ok else '>'} {low}")
+        return value
+    parse.__name__ = "integer" if kind is int else "number"
+    return parse
+
+
+POSITIVE, NON_NEGATIVE = number(int, 1), number(int, 0)
 
 
 def _add_train_args(p: argparse.ArgumentParser, stage: str) -> None:
@@ -29,21 +47,23 @@ def _add_train_args(p: argparse.ArgumentParser, stage: str) -> None:
         p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the bundled 6400-token tokenizer)")
     else:
         p.add_argument("--init", required=True, help="the pretraining run directory to start from")
-    p.add_argument("--max-tokens", type=int, default=None, help="padded tokens per micro-batch (default: the profile's)")
-    p.add_argument("--accum", type=int, default=None, help="micro-batches per optimizer step (default: the profile's)")
+    p.add_argument("--max-tokens", type=POSITIVE, help="padded tokens per micro-batch (default: the profile's)")
+    p.add_argument("--accum", type=POSITIVE, help="micro-batches per optimizer step (default: the profile's)")
     p.add_argument("--amp", choices=("auto", "bf16", "fp16", "off"), default="auto", help="mixed precision (default: auto)")
-    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the profile's)")
-    p.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the profile's)")
-    p.add_argument("--seq-len", type=int, default=None, help="longest sample in tokens (default: the profile's)")
+    p.add_argument("--steps", type=POSITIVE, help="optimizer steps (default: the profile's)")
+    p.add_argument("--lr", type=number(float, 0.0, low_ok=False), help="peak learning rate (default: the profile's)")
+    p.add_argument("--seq-len", type=POSITIVE, help="longest sample in tokens (default: the profile's)")
     p.add_argument("--val-data", default=None, help="validation jsonl (pretrain default: data/pretrain_val.jsonl)")
-    p.add_argument("--val-batches", type=int, default=4, help="validation micro-batches per evaluation (default 4)")
-    p.add_argument("--eval-every", type=int, default=None, help="optimizer steps between validations (default: the profile's)")
+    p.add_argument("--val-batches", type=POSITIVE, default=4, help="validation micro-batches per eval (default 4)")
+    p.add_argument("--eval-every", type=POSITIVE, help="optimizer steps between validations (default: the profile's)")
     p.add_argument("--cache", default=None, help="memmap cache directory (default: next to --out)")
-    p.add_argument("--max-samples", type=int, default=None, help="read at most N samples (0: all; default: the profile's)")
+    p.add_argument("--max-samples", type=NON_NEGATIVE, help="read at most N samples (0: all; default: the profile's)")
     p.add_argument("--device", default=None, help="cuda, mps or cpu (default: the best available)")
     p.add_argument("--resume", action="store_true", help="continue --out from its last.pt (same settings required)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing run in --out")
-    p.add_argument("--stop-after", type=int, default=None,
+    p.add_argument("--on-error", choices=("raise", "skip"), default="raise",
+                   help="a bad data line: stop with its file:line (default), or skip it (counted and logged)")
+    p.add_argument("--stop-after", type=POSITIVE, default=None,
                    help="stop (with a checkpoint) after N steps of the --steps schedule; continue later with --resume")
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -54,7 +74,8 @@ def _train_kwargs(args: argparse.Namespace) -> dict:
                 steps=args.steps, lr=args.lr, seq_len=args.seq_len, val_data=args.val_data, cache_dir=args.cache,
                 val_batches=args.val_batches, eval_every=args.eval_every, max_samples=args.max_samples,
                 device=args.device, resume=args.resume, overwrite=args.overwrite, stop_after=args.stop_after,
-                seed=args.seed, progress=not args.no_progress, log=lambda msg: print(msg, file=sys.stderr, flush=True))
+                seed=args.seed, progress=not args.no_progress, on_error=args.on_error,
+                log=lambda msg: print(msg, file=sys.stderr, flush=True))
 
 
 def cmd_info(args: argparse.Namespace) -> int:
@@ -83,28 +104,25 @@ def cmd_chat(args: argparse.Namespace) -> int:
     if args.prompt is not None:
         print(chat(args.prompt, model, tok, **opts))
         return 0
-    history: list[dict] | None = [] if sys.stdin.isatty() else None
-    if sys.stdin.isatty():
+    tty = sys.stdin.isatty()
+    history: list[dict] = []  # a terminal's conversation goes on; piped lines are answered one by one
+    if tty:
         print("chat with the model (Ctrl-D or /exit to quit, /reset to forget the conversation)", file=sys.stderr)
     while True:
         try:
-            line = input("you> " if sys.stdin.isatty() else "")
+            line = input("you> " if tty else "").strip()
         except (EOFError, KeyboardInterrupt):
             print(file=sys.stderr)
             return 0
-        line = line.strip()
-        if not line:
-            continue
         if line in ("/exit", "/quit"):
             return 0
         if line == "/reset":
-            history = [] if history is not None else None
-            continue
-        if sys.stdin.isatty():
+            history.clear()
+        elif line and tty:
             print("model> ", end="", flush=True)
             chat(line, model, tok, history=history, stream=lambda s: print(s, end="", flush=True), **opts)
             print()
-        else:
+        elif line:
             print(chat(line, model, tok, **opts), flush=True)
 
 
@@ -123,9 +141,9 @@ def add_subcommands(subparsers) -> None:
     c = subparsers.add_parser("chat", help="chat with a trained run directory")
     c.add_argument("--ckpt", required=True, help="a run directory (config.json, model.pth, tokenizer/)")
     c.add_argument("--prompt", default=None, help="answer this one prompt and exit")
-    c.add_argument("--temperature", type=float, default=0.7, help="0 = greedy (default 0.7)")
-    c.add_argument("--top-p", type=float, default=0.9)
-    c.add_argument("--max-new-tokens", type=int, default=128)
+    c.add_argument("--temperature", type=number(float, 0.0), default=0.7, help="0 = greedy (default 0.7)")
+    c.add_argument("--top-p", type=number(float, 0.0, low_ok=False), default=0.9)
+    c.add_argument("--max-new-tokens", type=POSITIVE, default=128)
     c.add_argument("--seed", type=int, default=None, help="fix the sampling: same seed, same answer")
     c.add_argument("--device", default=None)
     c.set_defaults(func=cmd_chat)
@@ -146,3 +164,6 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, FileExistsError, RuntimeError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # outside training (tokenizing, loading): nothing to checkpoint yet
+        print("error: interrupted", file=sys.stderr)
+        return 130

@@ -1,23 +1,29 @@
 """Datasets and batches, built in notebook 02_data: a jsonl file or ``corpus`` memmap -> {"input_ids", "labels"}
-samples (cut at seq_len, counted in ``stats``; untrained tokens labelled IGNORE_INDEX) -> ``pad_collate`` batches."""
+samples (cut at seq_len, counted in ``stats``; untrained tokens labelled IGNORE_INDEX) -> ``pad_collate`` batches;
+the datasets of notebook 07_pretrain's runs (`memmap_dataset`, SFT's `holdout_split`)."""
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, Subset
 
-from .corpus import PAYLOAD, JsonlReader, check_choice, read_memmap_meta, tokenize_samples, tokenizer_fingerprint
+from .corpus import (PAYLOAD, JsonlReader, check_choice, read_memmap_meta, tokenize_samples, tokenize_to_memmap,
+                     tokenizer_fingerprint)
 from .tokenizer import check_vocab
 
 IGNORE_INDEX = -100  # the label of a position whose next token is not trained (PyTorch CE ignore_index)
 LONG_DOCS = ("truncate", "chunk")  # what a pretrain dataset does with a document longer than seq_len
+# A run's pretraining document longer than seq_len is split into rows (no text lost); a conversation is truncated.
+LONG_DOCS_BY_KIND = {"pretrain": "chunk", "sft": "truncate"}
+SMALL_FILE_BYTES = 32 * 2**20  # below this, tokenize in this process (starting workers costs more than it saves)
 
 
 def make_sample(ids: np.ndarray, mask: np.ndarray | None, seq_len: int) -> dict[str, torch.Tensor]:
@@ -226,3 +232,33 @@ def padding_fraction(batch_lengths: Iterable[Sequence[int]], seq_len: int | None
 def trained_tokens(labels: torch.Tensor) -> int:
     """Trained (predicted) tokens of a (B, T) label tensor: the shifted labels that are not IGNORE_INDEX."""
     return int((labels[:, 1:] != IGNORE_INDEX).sum())
+
+
+def memmap_dataset(path: Path, tok: Any, kind: str, seq_len: int, cache_dir: Path, max_samples: int | None = None,
+                   progress: bool = False, on_error: str = "raise"):
+    """(dataset, MemmapInfo): `path` tokenized once into the memmap cache (reused while file and tokenizer agree).
+
+    The cache's name is the file's stem plus a hash of its absolute path, so two data.jsonl never collide."""
+    digest = hashlib.sha1(str(Path(path).resolve()).encode()).hexdigest()[:8]
+    prefix = Path(cache_dir) / f"{Path(path).stem}.{kind}.{digest}"
+    workers = 0 if Path(path).stat().st_size < SMALL_FILE_BYTES else None
+    info = tokenize_to_memmap(path, tok, prefix, kind=kind, num_workers=workers, max_samples=max_samples,
+                              progress=progress, on_error=on_error)
+    cls = PretrainDataset if kind == "pretrain" else SFTDataset
+    ds = cls(str(prefix), tok, seq_len, vocab_size=tok.vocab_size, long_docs=LONG_DOCS_BY_KIND[kind])
+    if len(ds) == 0 or ds.stats.n_trained_tokens == 0:
+        raise ValueError(f"{path}: no {'samples' if len(ds) == 0 else 'trained (assistant) tokens within seq_len'} to "
+                       f"train on")
+    return ds, info
+
+
+def holdout_split(ds: Any, seed: int) -> tuple[Subset, Subset]:
+    """(train, held out): a fixed 5% of the conversations, drawn by seed, never trained on (SFT's validation set).
+
+    Both parts keep the dataset's `lengths` (token-budget batching needs them) and `stats`."""
+    n_val = max(1, len(ds) // 20)
+    order = torch.randperm(len(ds), generator=torch.Generator().manual_seed(seed)).tolist()
+    parts = (Subset(ds, sorted(order[n_val:])), Subset(ds, sorted(order[:n_val])))
+    for part in parts:
+        part.lengths, part.stats = ds.lengths[part.indices], ds.stats
+    return parts

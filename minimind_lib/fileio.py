@@ -1,12 +1,22 @@
-"""Atomic file writes (memmaps of notebook 02_data, checkpoints of 03_model): old file or new, never half of one."""
+"""Atomic file writes (memmaps of notebook 02_data, checkpoints of 03_model): old file or new, never half of one;
+and the lock that keeps a second run of notebook 07_pretrain's pipeline out of a run directory in use."""
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import IO, Iterator
+
+try:
+    import fcntl
+except ImportError:  # Windows: no advisory locks; a second run into the same directory is not detected there
+    fcntl = None
+
+LOCK_FILE = ".lock"
 
 
 @contextlib.contextmanager
@@ -38,3 +48,46 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     """Write `data` to `path` atomically."""
     with atomic_open(path, "wb") as f:
         f.write(data)
+
+
+@contextlib.contextmanager
+def exclusive_dir(directory: str | os.PathLike) -> Iterator[Path]:
+    """Hold an exclusive lock on a directory for the block (another holder: FileExistsError naming its pid, kept in
+    DIR/.lock meanwhile); first remove the temp files an interrupted atomic write left there. A directory created
+    here and left empty is removed at the end."""
+    if (directory := Path(directory)).exists() and not directory.is_dir():
+        raise FileExistsError(f"{directory} is a file, not a directory")
+    created, pid_file = not directory.exists(), directory / LOCK_FILE
+    directory.mkdir(parents=True, exist_ok=True)
+    fd = os.open(directory, os.O_RDONLY)  # the lock is on the directory itself: a kill leaves nothing locked
+    try:
+        if fcntl is not None:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        holder = pid_file.read_text().strip() if pid_file.is_file() else ""
+        raise FileExistsError(f"{directory} is in use by pid {holder or '?'} (another run writes there); wait for "
+                              f"it to end or choose another directory") from None
+    try:
+        pid_file.write_text(str(os.getpid()))
+        for stale in directory.glob(".*.tmp*"):  # atomic_open's .NAME.XXXX.tmp, start_run_dir's .tokenizer.tmp-PID
+            if stale.is_dir():
+                shutil.rmtree(stale)
+            else:
+                stale.unlink()
+        yield directory
+    finally:
+        pid_file.unlink(missing_ok=True)
+        if created and not any(directory.iterdir()):
+            directory.rmdir()
+        os.close(fd)
+
+
+def file_fingerprint(path: str | os.PathLike, span: int = 2**20) -> dict:
+    """Size and a SHA-1 of the first and last `span` bytes: enough to tell that a data file was edited."""
+    size, digest = os.path.getsize(path), hashlib.sha1()
+    with open(path, "rb") as f:
+        digest.update(f.read(span))
+        f.seek(max(size - span, 0))
+        digest.update(f.read(span))
+    return {"size": size, "sha1_head_tail": digest.hexdigest()}

@@ -6,6 +6,7 @@ chat template. The CLI's chat command, notebook 08 and the chat box (chat_widget
 
 from __future__ import annotations
 
+import warnings
 from typing import Callable, Iterable, Sequence
 
 import torch
@@ -15,8 +16,8 @@ import torch.nn as nn
 def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
                 generator: torch.Generator | None = None) -> torch.Tensor:
     """Pick one token per row from logits (B, V): greedy when temperature == 0, else filtered sampling."""
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if not 0 <= temperature < float("inf"):  # NaN fails every comparison
+        raise ValueError(f"temperature must be >= 0 and finite, got {temperature}")
     if not 0.0 < top_p <= 1.0:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     if top_k < 0:
@@ -57,8 +58,13 @@ def generate_ids(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int 
     device = next(model.parameters()).device
     input_ids = input_ids.to(device)
     max_pos = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-    if max_pos is not None:
-        max_new_tokens = min(max_new_tokens, max_pos - input_ids.shape[1])
+    if max_pos is not None and input_ids.shape[1] + max_new_tokens > max_pos:  # RoPE has no position past max_pos
+        if input_ids.shape[1] >= max_pos:
+            raise ValueError(f"the prompt has {input_ids.shape[1]} tokens: no room to generate within the model's "
+                             f"max_position_embeddings={max_pos}")
+        warnings.warn(f"generating {max_pos - input_ids.shape[1]} of the {max_new_tokens} new tokens asked for: the "
+                      f"prompt's {input_ids.shape[1]} tokens leave no more room in {max_pos} positions", stacklevel=2)
+        max_new_tokens = max_pos - input_ids.shape[1]
     stops = set(stop_token_ids or ())
     generator = None if seed is None else torch.Generator(device=device).manual_seed(seed)
     was_training = model.training

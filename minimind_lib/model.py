@@ -36,6 +36,10 @@ class MiniMindConfig:
     dropout: float = 0.0
 
     def __post_init__(self) -> None:
+        for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size",
+                     "max_position_embeddings"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
+                raise ValueError(f"MiniMindConfig.{name}={getattr(self, name)!r}: must be a positive integer")
         if self.intermediate_size is None:
             self.intermediate_size = 64 * math.ceil(int(self.hidden_size * 8 / 3) / 64)
         if self.hidden_size % self.num_attention_heads != 0:
@@ -252,6 +256,9 @@ class MiniMindModel(nn.Module):
                                  f"outside [0, max_position_embeddings={self.config.max_position_embeddings})")
             cos, sin = self.freqs_cos[position_ids], self.freqs_sin[position_ids]
         mask = build_attention_mask(attention_mask, b, t, past_len, input_ids.device)
+        if input_ids.numel() and bool((input_ids.min() < 0) | (input_ids.max() >= self.config.vocab_size)):  # 1 sync
+            raise ValueError(f"token ids range [{int(input_ids.min())}, {int(input_ids.max())}] is outside "
+                             f"[0, vocab_size={self.config.vocab_size})")
         x = self.dropout(self.embed_tokens(input_ids))
         presents = []
         for i, layer in enumerate(self.layers):
@@ -359,6 +366,12 @@ def _clean_state_dict(state: dict, path) -> dict:
     return state
 
 
+def unreadable_checkpoint(path, error: Exception, what: str = "checkpoint") -> str:
+    """The message for a file torch.load(weights_only=True) refused (never torch's advice to unpickle it anyway)."""
+    return (f"cannot read {what} {path} (corrupt or not a checkpoint: {type(error).__name__}): a checkpoint holds "
+            f"tensors and plain values only; pickled objects are refused because loading them could run code")
+
+
 def check_state_dict(state: dict, model: nn.Module, path="state dict") -> None:
     """Raise a ValueError naming the first missing, unexpected or mis-shaped key (vocab size said plainly)."""
     expected = model.state_dict()
@@ -378,6 +391,9 @@ def check_state_dict(state: dict, model: nn.Module, path="state dict") -> None:
             raise ValueError(f"{path}: key {key!r} holds a {type(got).__name__}, not a tensor")
         if got.shape != want.shape:
             raise ValueError(f"{path}: shape mismatch at {key!r}: expected {list(want.shape)}, got {list(got.shape)}")
+        if not got.is_floating_point() or not bool(torch.isfinite(got).all()):  # int weights would load silently
+            raise ValueError(f"{path}: {key!r} holds {'NaN/inf values' if got.is_floating_point() else got.dtype}; "
+                             f"refused: a model's weights are finite floating-point numbers")
 
 
 def load_checkpoint(path, model: nn.Module | None = None, map_location="cpu") -> dict:
@@ -388,7 +404,7 @@ def load_checkpoint(path, model: nn.Module | None = None, map_location="cpu") ->
     try:
         state = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:  # truncated file, not a torch file, or pickled objects weights_only refuses
-        raise ValueError(f"cannot read checkpoint {path}: {type(e).__name__}: {str(e).splitlines()[0][:300]}") from e
+        raise ValueError(unreadable_checkpoint(path, e)) from None
     if not isinstance(state, dict):
         raise ValueError(f"checkpoint {path} holds a {type(state).__name__}, not a state dict")
     state = _clean_state_dict(state, path)

@@ -1,4 +1,5 @@
-"""Where the course's files live (notebook 00_setup): the repository's data/ folder and the bundled assets."""
+"""Where the course's files live (notebook 00_setup): the repository's data/ folder (or MINIMIND_DATA_DIR, with
+MiniMind's own file names) and the bundled assets."""
 
 from __future__ import annotations
 
@@ -10,3 +11,14 @@ ASSETS_DIR = PACKAGE_DIR / "assets"
 REPO_DIR = PACKAGE_DIR.parent
 # MINIMIND_DATA_DIR points the course at another folder (e.g. one holding MiniMind's full jsonl files).
 DATA_DIR = Path(os.environ.get("MINIMIND_DATA_DIR", REPO_DIR / "data")).resolve()
+# The default data file of each stage in DATA_DIR: the bundled name first, then MiniMind2's and MiniMind-3's.
+DATA_FILE_PATTERNS = {"pretrain": ("pretrain.jsonl", "pretrain_hq.jsonl", "pretrain_t2t*.jsonl"),
+                      "sft": ("sft.jsonl", "sft_mini_512.jsonl", "sft_t2t*.jsonl")}
+
+
+def find_data_file(stage: str) -> Path:
+    """The first file in DATA_DIR matching the stage's DATA_FILE_PATTERNS; FileNotFoundError lists what was sought."""
+    if found := [path for pattern in DATA_FILE_PATTERNS[stage] for path in sorted(DATA_DIR.glob(pattern))]:
+        return found[0]
+    raise FileNotFoundError(f"no {stage} data in {DATA_DIR} (looked for {', '.join(DATA_FILE_PATTERNS[stage])}); "
+                            f"pass --data FILE or set MINIMIND_DATA_DIR to the folder holding one")

@@ -12,46 +12,40 @@ Every input is validated before OUT is written.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import hashlib
+import io
 import json
 import math
 import os
+import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import pandas as pd
 import torch
-from torch.utils.data import Subset
 
 from . import distributed as D
 from .batching import AdaptiveBatchController, TokenBudgetBatchSampler, TokenBudgetSteps
-from .checkpoint import (CONFIG_FILE, METRICS_FILE, MODEL_FILE, RUN_FILES, RUN_FORMAT, RUN_VERSION, SAMPLES_FILE,
-                         STATE_FILE, SUMMARY_FILE, RunError, check_config, load_run, read_run_config,
-                         read_training_state, start_run_dir)
-from .corpus import tokenize_to_memmap, tokenizer_fingerprint
-from .data import PretrainDataset, SFTDataset, pad_collate
+from .checkpoint import (METRICS_FILE, MODEL_FILE, RUN_FORMAT, RUN_VERSION, SAMPLES_FILE, STATE_FILE, SUMMARY_FILE,
+                         RunError, check_out_dir, check_resume, load_run, start_run_dir)
+from .corpus import tokenizer_fingerprint
+from .data import LONG_DOCS_BY_KIND, holdout_split, memmap_dataset, pad_collate
 from .device import get_device, total_memory_bytes
-from .fileio import atomic_write_text
+from .fileio import atomic_write_text, exclusive_dir, file_fingerprint
 from .generate import chat_reply, generate
 from .memory import MemoryMeter
 from .model import MiniMindConfig, MiniMindForCausalLM, save_checkpoint
-from .paths import DATA_DIR, REPO_DIR
+from .paths import DATA_DIR, REPO_DIR, find_data_file
 from .profiles import Profile, get_profile
 from .tokenizer import check_vocab, load_tokenizer
 from .train import TrainConfig, evaluate, fit, resolve_amp
 
 DEFAULT_SAMPLE_PROMPTS = ("ROMEO.\n", "床前明月光，")  # one per language of the bundled corpus
-# Settings that fix the order and shape of the data: resuming with another value would train on other batches
-# than the saved position refers to, so it is an error.
-RESUME_KEYS = ("stage", "model", "data", "val_data", "seq_len", "max_tokens", "val_batches", "max_samples", "batching",
-               "long_docs", "init")
-# A pretraining document longer than seq_len is split into rows (no text lost); a conversation is truncated (counted).
-LONG_DOCS_BY_KIND = {"pretrain": "chunk", "sft": "truncate"}
-SMALL_FILE_BYTES = 32 * 2**20  # below this, tokenize in this process (starting workers costs more than it saves)
 CHECK_EVERY = 10  # optimizer steps between the controller's memory checks (CUDA)
 
 
@@ -74,6 +68,7 @@ class RunSettings:
     eval_every: int | None = None
     ckpt_every: int | None = None
     max_samples: int | None = None  # None: the profile's cap; 0: every sample
+    on_error: str = "raise"  # a bad data line: "raise", or "skip" it (counted, examples logged)
     val_data: Any = None
     val_batches: int = 4
     amp: str = "auto"  # "auto" | "bf16" | "fp16" | "off"
@@ -82,7 +77,7 @@ class RunSettings:
     resume: bool = False
     overwrite: bool = False
     stop_after: int | None = None  # stop (with a checkpoint) after N steps of the `steps` schedule
-    sample_every: int | None = None
+    sample_every: int | None = None  # 0: no samples
     sample_prompts: Sequence[str] | None = None
     seed: int = 1337
     progress: bool = True
@@ -127,22 +122,31 @@ def plan_kwargs(plan: dict) -> dict:
 
 
 def resolve_settings(s: RunSettings, prof: Profile) -> RunSettings:
-    """The settings with every size filled in from the profile (arguments and command-line flags override it)."""
-    pre = s.stage == "pretrain"
-    seq_len, eval_every = int(s.seq_len or prof.seq_len), int(s.eval_every or prof.eval_every)
-    steps = int(s.steps or (prof.pretrain_steps if pre else prof.sft_steps))
+    """The settings with every size filled in from the profile (arguments and command-line flags override it; 0 or
+    a negative size is refused, not read as "the default")."""
+    pre, given = s.stage == "pretrain", lambda value, default: default if value is None else value
+    seq_len, eval_every = given(s.seq_len, prof.seq_len), given(s.eval_every, prof.eval_every)
+    steps = given(s.steps, prof.pretrain_steps if pre else prof.sft_steps)
     val_data = s.val_data
     if pre and val_data is None and (DATA_DIR / "pretrain_val.jsonl").is_file():
         val_data = DATA_DIR / "pretrain_val.jsonl"
     r = dataclasses.replace(
-        s, seq_len=seq_len, max_tokens=int(s.max_tokens or max(prof.max_tokens, seq_len)), steps=steps,
-        accum_steps=int(s.accum_steps or prof.accum_steps), eval_every=eval_every, val_data=val_data,
-        lr=float(s.lr or (prof.lr if pre else prof.lr / 2)),  # SFT: gentler, it starts from a trained model
-        ckpt_every=int(s.ckpt_every or eval_every),
+        s, seq_len=seq_len, max_tokens=given(s.max_tokens, max(prof.max_tokens, seq_len)), steps=steps,
+        accum_steps=given(s.accum_steps, prof.accum_steps), eval_every=eval_every, val_data=val_data,
+        lr=given(s.lr, prof.lr if pre else prof.lr / 2),  # SFT: gentler, it starts from a trained model
+        ckpt_every=given(s.ckpt_every, eval_every),
         max_samples=prof.max_samples if s.max_samples is None else (s.max_samples or None),
-        data=Path(s.data) if s.data is not None else DATA_DIR / f"{s.stage}.jsonl",
-        sample_every=int(s.sample_every if s.sample_every is not None else max(eval_every, -(-steps // 4))),
+        data=Path(s.data) if s.data is not None else find_data_file(s.stage),
+        sample_every=given(s.sample_every, max(eval_every, -(-steps // 4))),
         sample_prompts=tuple(DEFAULT_SAMPLE_PROMPTS if s.sample_prompts is None else s.sample_prompts))
+    for name, low in (("seq_len", 1), ("max_tokens", 1), ("accum_steps", 1), ("steps", 1), ("eval_every", 1),
+                      ("ckpt_every", 1), ("val_batches", 1), ("max_samples", 0), ("stop_after", 1),
+                      ("sample_every", 0)):
+        value = getattr(s if name == "max_samples" else r, name)  # r.max_samples: None means "all"
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
+            raise RunError(f"{name}={value!r}: must be an integer >= {low}")
+    if not (isinstance(r.lr, (int, float)) and math.isfinite(r.lr) and r.lr > 0):
+        raise RunError(f"lr={r.lr!r}: the learning rate must be a finite number > 0")
     if r.max_tokens < r.seq_len:
         raise RunError(f"max_tokens={r.max_tokens} is smaller than seq_len={r.seq_len}: a full-length sample would "
                        f"not fit one micro-batch; raise --max-tokens or lower the sequence length")
@@ -157,10 +161,13 @@ def train_config(s: RunSettings) -> TrainConfig:
 
 
 # ----------------------------------------------------------------------------------- checks before writing
-def _inputs(s: RunSettings, prof: Profile) -> tuple[Any, MiniMindConfig, str | None, dict | None]:
+def _inputs(s: RunSettings, prof: Profile, device: torch.device) -> tuple[Any, MiniMindConfig, str | None, dict | None]:
     """(tokenizer, model config, preset, SFT's initial weights): every input checked before anything is written."""
     if s.out is None:
         raise RunError("an output directory is needed (--out DIR)")
+    if device.type in ("cuda", "mps") and not getattr(torch, device.type).is_available():
+        raise RunError(f"device {device} is not available on this machine (torch {torch.__version__}); pass "
+                       f"--device cpu or leave --device out to use the best one present")
     if not s.data.is_file():
         raise FileNotFoundError(f"data file not found: {s.data}" + (" (a directory, not a jsonl file)"
                                                                     if s.data.is_dir() else ""))
@@ -169,51 +176,19 @@ def _inputs(s: RunSettings, prof: Profile) -> tuple[Any, MiniMindConfig, str | N
     if s.stage == "sft":
         if s.init is None:
             raise RunError("sft needs --init DIR, the pretraining run directory to start from")
-        init_model, tok, init_cfg = load_run(s.init)
-        return tok, init_model.config, init_cfg.get("model_preset"), init_model.state_dict()
-    tok, preset = load_tokenizer(s.tokenizer_dir), s.config or prof.model
-    mcfg = MiniMindConfig.preset(preset)
-    try:
-        check_vocab(tok, mcfg.vocab_size)
-    except ValueError as e:
-        raise RunError(f"tokenizer/model vocab mismatch: {e}") from None
-    return tok, mcfg, preset, None
-
-
-def _check_out_dir(out: Path, resume: bool, overwrite: bool) -> None:
-    """Refuse to clobber an existing run unless resuming it or told to overwrite."""
-    if resume:
-        for name, what in ((STATE_FILE, "no training state"), (CONFIG_FILE, "no run config")):
-            if not (out / name).is_file():
-                raise FileNotFoundError(f"--resume: {what} {out / name} to resume from; {out} is not a run to resume")
-        return
-    existing = [name for name in RUN_FILES if (out / name).exists()]
-    if existing and not overwrite:
-        raise RunError(f"{out} already holds a run ({', '.join(existing)}); pass --resume to continue it, "
-                       f"--overwrite to replace it, or choose another --out")
-
-
-def _check_resume(out: Path, run_cfg: dict, cfg: TrainConfig, dinfo: Any) -> dict:
-    """Compare the new run's settings with the saved run before anything is written; returns the saved state."""
-    saved = read_run_config(out)
-    for key in RESUME_KEYS:
-        if saved.get(key) != run_cfg.get(key):
-            raise RunError(f"cannot resume {out}: {key!r} differs (run: {saved.get(key)!r:.200}, now: "
-                           f"{run_cfg.get(key)!r:.200}); use the run's settings or start a new --out")
-    if saved["tokenizer"].get("fingerprint") != run_cfg["tokenizer"]["fingerprint"]:
-        raise RunError(f"cannot resume {out}: the tokenizer differs from the run's ({saved['tokenizer']} vs "
-                       f"{run_cfg['tokenizer']})")
-    state = read_training_state(out / STATE_FILE)  # clear error for a missing or corrupt last.pt
-    try:
-        check_config(state["config"], cfg, out / STATE_FILE)
-    except ValueError as e:
-        raise RunError(str(e) + "; use the run's settings (see its config.json) or start a new --out") from None
-    saved_ddp = "world_size" in (state.get("controller") or {})  # a DDP state counts global steps
-    if saved_ddp != (dinfo is not None):
-        raise RunError(f"cannot resume {out}: it was trained {'with' if saved_ddp else 'without'} torchrun (data "
-                       f"parallel), this run is {'with' if dinfo else 'without'}; its data position means something "
-                       f"else (resuming with another number of ranks >= 2 works)")
-    return state
+        init_model, tok, init_cfg = load_run(s.init)  # refuses NaN/inf or integer weights
+        mcfg, preset, init_state = init_model.config, init_cfg.get("model_preset"), init_model.state_dict()
+    else:
+        tok, preset, init_state = load_tokenizer(s.tokenizer_dir), s.config or prof.model, None
+        mcfg = MiniMindConfig.preset(preset)
+        try:
+            check_vocab(tok, mcfg.vocab_size)
+        except ValueError as e:
+            raise RunError(f"tokenizer/model vocab mismatch: {e}") from None
+    if s.seq_len > mcfg.max_position_embeddings:
+        raise RunError(f"seq_len={s.seq_len} exceeds the model's max_position_embeddings="
+                       f"{mcfg.max_position_embeddings}")
+    return tok, mcfg, preset, init_state
 
 
 def _run_config(s: RunSettings, prof: Profile, preset: str | None, mcfg: MiniMindConfig, tok: Any,
@@ -224,6 +199,8 @@ def _run_config(s: RunSettings, prof: Profile, preset: str | None, mcfg: MiniMin
             "model_preset": preset, "model": mcfg.to_dict(), "train": train_config(s).to_dict(),
             "tokenizer": {"fingerprint": tokenizer_fingerprint(tok), "vocab_size": int(tok.vocab_size)},
             "data": str(s.data.resolve()), "val_data": str(Path(s.val_data).resolve()) if s.val_data else None,
+            "data_fingerprint": file_fingerprint(s.data), "on_error": s.on_error,
+            "val_data_fingerprint": file_fingerprint(s.val_data) if s.val_data else None,
             "seq_len": s.seq_len, "max_tokens": s.max_tokens, "val_batches": int(s.val_batches),
             "max_samples": s.max_samples, "batching": "token_budget", "long_docs": LONG_DOCS_BY_KIND[s.stage],
             "init": str(Path(s.init).resolve()) if s.init else None, "device": str(device),
@@ -232,39 +209,10 @@ def _run_config(s: RunSettings, prof: Profile, preset: str | None, mcfg: MiniMin
 
 
 # ----------------------------------------------------------------------------------- 1. data  2. steps  3. controller
-def memmap_dataset(path: Path, tok: Any, kind: str, seq_len: int, cache_dir: Path, max_samples: int | None = None,
-                   progress: bool = False):
-    """(dataset, MemmapInfo): `path` tokenized once into the memmap cache (reused while file and tokenizer agree).
-
-    The cache's name is the file's stem plus a hash of its absolute path, so two data.jsonl never collide."""
-    digest = hashlib.sha1(str(Path(path).resolve()).encode()).hexdigest()[:8]
-    prefix = Path(cache_dir) / f"{Path(path).stem}.{kind}.{digest}"
-    workers = 0 if Path(path).stat().st_size < SMALL_FILE_BYTES else None
-    info = tokenize_to_memmap(path, tok, prefix, kind=kind, num_workers=workers, max_samples=max_samples,
-                              progress=progress)
-    cls = PretrainDataset if kind == "pretrain" else SFTDataset
-    ds = cls(str(prefix), tok, seq_len, vocab_size=tok.vocab_size, long_docs=LONG_DOCS_BY_KIND[kind])
-    if len(ds) == 0:
-        raise RunError(f"{path}: no samples to train on")
-    return ds, info
-
-
 def validation_batches(ds: Any, max_tokens: int, seq_len: int, pad_id: int, n_batches: int) -> list[dict]:
     """The first n_batches token-budget batches of a validation set, unshuffled (the same at every evaluation)."""
     sampler = TokenBudgetBatchSampler(ds.lengths, max_tokens, shuffle=False, seq_len=seq_len)
     return [pad_collate([ds[i] for i in b], pad_id=pad_id) for b in sampler.batches()[:n_batches]]
-
-
-def holdout_split(ds: Any, seed: int) -> tuple[Subset, Subset]:
-    """(train, held out): a fixed 5% of the conversations, drawn by seed, never trained on (SFT's validation set).
-
-    Both parts keep the dataset's `lengths` (token-budget batching needs them) and `stats`."""
-    n_val = max(1, len(ds) // 20)
-    order = torch.randperm(len(ds), generator=torch.Generator().manual_seed(seed)).tolist()
-    parts = (Subset(ds, sorted(order[n_val:])), Subset(ds, sorted(order[:n_val])))
-    for part in parts:
-        part.lengths, part.stats = ds.lengths[part.indices], ds.stats
-    return parts
 
 
 def train_steps(ds: Any, s: RunSettings, dinfo: Any = None):
@@ -292,12 +240,13 @@ def _datasets(s: RunSettings, tok: Any, dinfo: Any, log: Callable[[str], None]) 
     if not main:  # data parallel: rank 0 tokenizes into the cache, the other ranks then open it
         D.barrier()
     progress = s.progress and main
-    ds, info = memmap_dataset(s.data, tok, s.stage, s.seq_len, cache, s.max_samples, progress)
+    ds, info = memmap_dataset(s.data, tok, s.stage, s.seq_len, cache, s.max_samples, progress, s.on_error)
     log(f"{s.stage}: {s.data.name}: {ds.stats.summary()} "
-        f"({'cache reused' if info.reused else f'tokenized in {info.seconds:.1f} s'})")
+        f"({'cache reused' if info.reused else f'tokenized in {info.seconds:.1f} s'})"
+        + (f"; skipped {info.n_skipped} bad line(s), e.g. {info.skipped_examples[:3]}" if info.n_skipped else ""))
     val, n_held_out = None, None
     if s.val_data is not None:
-        val_ds, _ = memmap_dataset(Path(s.val_data), tok, s.stage, s.seq_len, cache, None, progress)
+        val_ds, _ = memmap_dataset(Path(s.val_data), tok, s.stage, s.seq_len, cache, None, progress, s.on_error)
         val = validation_batches(val_ds, s.max_tokens, s.seq_len, tok.pad_token_id, s.val_batches)
     elif s.stage == "sft":  # no SFT validation file: hold out a fixed 5% of the conversations
         ds, held_out = holdout_split(ds, s.seed)
@@ -310,25 +259,38 @@ def _datasets(s: RunSettings, tok: Any, dinfo: Any, log: Callable[[str], None]) 
 
 # ----------------------------------------------------------------------------------- 4. the loop  5. the run directory
 class Recorder:
-    """fit's callback: keeps the metrics rows, rewrites metrics.csv with every checkpoint, generates samples every
-    `sample_every` steps, stops after `stop_after` steps (fit then saves that step's state)."""
+    """fit's callback: keeps the metrics rows (and puts them into every checkpoint, so --resume restores exactly the
+    rows of its step), rewrites metrics.csv with every checkpoint, marks the rows a NaN rollback undid, generates
+    samples every `sample_every` steps, stops after `stop_after` steps or on SIGINT/SIGTERM (fit then saves)."""
 
-    def __init__(self, out: Path, s: RunSettings, start_step: int, model: Any, tok: Any, write: bool) -> None:
+    def __init__(self, out: Path, s: RunSettings, saved_state: dict | None, model: Any, tok: Any, write: bool) -> None:
         self.out, self.s, self.model, self.tok, self.write, self.rows = out, s, model, tok, write, []
-        self.prior, self.samples = pd.DataFrame(), []
-        if s.resume:  # the rows and samples of the steps the checkpoint holds
-            if (out / METRICS_FILE).is_file():
-                self.prior = pd.read_csv(out / METRICS_FILE).query(f"step < {start_step}")
+        self.prior, self.samples, self.interrupted = pd.DataFrame(), [], None
+        if saved_state is not None:  # the rows and samples of the steps the checkpoint holds
+            start_step, saved_csv = int(saved_state["step"]), saved_state.get("extra", {}).get("metrics_csv")
+            if saved_csv or (out / METRICS_FILE).is_file():
+                self.prior = pd.read_csv(io.StringIO(saved_csv) if saved_csv else out / METRICS_FILE)
+                self.prior = self.prior.query(f"step < {start_step}")
             if (out / SAMPLES_FILE).is_file():
                 lines = (out / SAMPLES_FILE).read_text(encoding="utf-8").splitlines()
                 self.samples = [r for r in map(json.loads, filter(str.strip, lines)) if r["step"] <= start_step]
 
-    def frame(self) -> pd.DataFrame:
-        """The whole run's metrics: earlier invocations' rows, then this one's, with tokens_seen."""
-        df = pd.concat([self.prior, pd.DataFrame(self.rows)], ignore_index=True) if self.rows else self.prior.copy()
+    def frame(self, rows: list[dict] | None = None) -> pd.DataFrame:
+        """The whole run's metrics: earlier invocations' rows, then this one's, with tokens_seen (rolled back: 0)."""
+        rows = self.rows if rows is None else rows
+        df = pd.concat([self.prior, pd.DataFrame(rows)], ignore_index=True) if rows else self.prior.copy()
         if len(df):
-            df["tokens_seen"] = df["tokens"].cumsum()
+            df["tokens_seen"] = df["tokens"].where(~rolled_back(df), 0).cumsum()
         return df
+
+    def checkpoint_extra(self, row: dict | None) -> dict:
+        """fit's hook as it writes last.pt: the metrics up to that checkpoint, the in-flight `row` included."""
+        rows = [dict(r) for r in self.rows]
+        if row is not None:
+            rows.append({k: v for k, v in row.items() if k != "events"} | {"event": ";".join(row["events"] + ["ckpt"])})
+        elif rows:  # fit's final save: it tags the last row after this call
+            rows[-1]["event"] = ";".join(e for e in (rows[-1].get("event", ""), "ckpt") if e)
+        return {"metrics_csv": self.frame(rows).to_csv(index=False)}
 
     def write_metrics(self) -> None:
         """metrics.csv, atomically (it always matches the last checkpoint)."""
@@ -348,6 +310,11 @@ class Recorder:
         atomic_write_text(self.out / SAMPLES_FILE, lines)
 
     def __call__(self, step: int, row: dict) -> str | None:
+        for event in str(row.get("event", "")).split(";"):
+            if event.startswith("rollback_to_step_"):  # the steps since that checkpoint were undone: mark them
+                for r in self.rows:
+                    r["rolled_back"] = r.get("rolled_back", False) or r["step"] >= int(event.rsplit("_", 1)[1])
+                row["rolled_back"] = True
         self.rows.append(row)  # the row itself: fit may still add the final checkpoint to its event
         done = step + (0 if row.get("skipped") else 1)
         if "ckpt" in str(row.get("event", "")).split(";"):
@@ -355,7 +322,13 @@ class Recorder:
         if (self.write and self.s.sample_prompts and self.s.sample_every and not row.get("skipped")
                 and done % self.s.sample_every == 0):
             self.sample(done)
-        return "stop" if self.s.stop_after is not None and done >= self.s.stop_after else None
+        stop = self.interrupted or (self.s.stop_after is not None and done >= self.s.stop_after)
+        return "stop" if stop else None
+
+
+def rolled_back(df: pd.DataFrame) -> pd.Series:
+    """True for the metrics rows of steps a NaN rollback undid (their tokens are not counted)."""
+    return df["rolled_back"].fillna(False).astype(bool) if "rolled_back" in df else pd.Series(False, index=df.index)
 
 
 def eval_before_training(model: Any, val: list, device: torch.device, amp_dtype: Any) -> pd.DataFrame:
@@ -370,7 +343,7 @@ def summarize(df: pd.DataFrame, wall: float) -> dict:
     val = df["val_loss"].dropna() if "val_loss" in df else pd.Series(dtype=float)
     peak = df["peak_memory_bytes"].max() if "peak_memory_bytes" in df else float("nan")
     train_time = float(df["step_time"].sum()) if "step_time" in df else 0.0
-    tokens, last = int(df["tokens"].sum()) if len(df) else 0, val.iloc[-1] if len(val) else None
+    tokens, last = int(df["tokens"][~rolled_back(df)].sum()) if len(df) else 0, val.iloc[-1] if len(val) else None
     return {"steps": int(df["step"].max()) + 1 if len(df) else 0, "tokens": tokens, "wall_time_s": round(wall, 2),
             "train_time_s": round(train_time, 2),
             "tokens_per_s": round(tokens / train_time, 1) if train_time > 0 else float("nan"),
@@ -390,11 +363,12 @@ def _finish(rec: Recorder, df: pd.DataFrame, run_cfg: dict, wall: float, start_s
     if rec.write:
         save_checkpoint(rec.model, rec.out / MODEL_FILE)  # a bare state dict
         rec.write_metrics()
-    prior_tokens = int(rec.prior["tokens"].sum()) if len(rec.prior) else 0
+    prior_tokens = int(rec.prior["tokens"][~rolled_back(rec.prior)].sum()) if len(rec.prior) else 0
     summary = {"stage": rec.s.stage, "profile": run_cfg["profile"], "device": run_cfg["device"],
                "model_preset": run_cfg["model_preset"], **summarize(full, wall), "prior_tokens": prior_tokens,
                "resumed_from_step": start_step if rec.s.resume else None,
-               "stopped_early": bool(len(full) and int(full["step"].max()) + 1 < rec.s.steps)}
+               "stopped_early": bool(len(full) and int(full["step"].max()) + 1 < rec.s.steps),
+               "interrupted_by": rec.interrupted}
     if rec.s.resume and wall > 0:  # this invocation's tokens over this invocation's time
         summary["tokens_per_s_wall"] = round((summary["tokens"] - prior_tokens) / wall, 1)
     if controller is not None:  # what the controller did: OOMs recovered, samples lost (0), rows cut
@@ -407,51 +381,72 @@ def _finish(rec: Recorder, df: pd.DataFrame, run_cfg: dict, wall: float, start_s
 
 
 def _run(s: RunSettings, dinfo: Any = None) -> RunResult:
-    """One run, the steps of notebook 07 in order; under torchrun (dinfo) one rank of it, rank 0 writing OUT."""
+    """One run, the steps of notebook 07 in order; under torchrun (dinfo) one rank of it, rank 0 writing OUT (and
+    holding its lock: a second run into the same OUT is refused while this one lives)."""
     main = dinfo is None or dinfo.is_main  # the one process that logs and writes files
     log = s.log if main else (lambda msg: None)
     prof = s.profile if isinstance(s.profile, Profile) else get_profile(s.profile)
     device = dinfo.device if dinfo is not None else torch.device(s.device) if s.device is not None else get_device()
     s = resolve_settings(s, prof)
-    tok, mcfg, preset, init_state = _inputs(s, prof)
+    tok, mcfg, preset, init_state = _inputs(s, prof, device)
     out = Path(s.out)
-    _check_out_dir(out, s.resume, s.overwrite)
-    cfg, amp = train_config(s), resolve_amp(s.amp, device)
-    run_cfg = _run_config(s, prof, preset, mcfg, tok, device, dinfo)
-    saved_state = _check_resume(out, run_cfg, cfg, dinfo) if s.resume else None
-    ds, val, n_held_out = _datasets(s, tok, dinfo, log)  # 1. data
-    steps = train_steps(ds, s, dinfo)  # 2. the optimizer steps
-    sampler = steps.base if dinfo is not None else steps.batch_sampler
-    run_cfg["data_stats"] = {**ds.stats.to_dict(), "batches_per_epoch": len(sampler)}
-    if n_held_out is not None:
-        run_cfg["sft_val_holdout"] = n_held_out
-    # 3. the controller (under DDP every rank would have to agree on each change of size: none)
-    controller = None if dinfo is not None else make_controller(device, s.max_tokens, s.seq_len, tok.pad_token_id)
-    torch.manual_seed(s.seed)  # the same seed, the same initial weights
-    model = MiniMindForCausalLM(mcfg)
-    if init_state is not None:
-        model.load_state_dict(init_state)
-    if main:
-        start_run_dir(out, run_cfg, tok, s.resume)
-    start_step = int(saved_state["step"]) if saved_state is not None else 0
-    rec = Recorder(out, s, start_step, model, tok, write=main)
-    log(f"{s.stage}: {s.steps} steps x {s.accum_steps} micro-batches of <= {s.max_tokens} tokens (seq_len "
-        f"{s.seq_len}), lr {s.lr:g}, {amp.reason}, device {device}"
-        + (f", {dinfo.world_size} ranks ({dinfo.backend})" if dinfo is not None else "")
-        + (f"; resuming {out} at step {start_step} of {s.steps}" if s.resume else ""))
-    t0 = time.perf_counter()
-    if not s.resume and val and main:
-        rec.prior = eval_before_training(model, val, device, amp.dtype)
-        log(f"{s.stage}: validation loss before training {rec.prior['val_loss'].iloc[0]:.3f}")
-    resume_from = out / STATE_FILE if s.resume else None
-    if dinfo is not None:  # 4. the loop
-        df = D.fit_distributed(model, steps, cfg, info=dinfo, val_batches=val, pad_id=tok.pad_token_id,
-                               callbacks=[rec], resume_from=resume_from)
-    else:
-        df = fit(model, steps, cfg, device=device, val_batches=val, controller=controller, callbacks=[rec],
-                 resume_from=resume_from)
-    metrics, summary = _finish(rec, df, run_cfg, time.perf_counter() - t0, start_step, controller, dinfo)
-    return RunResult(out, model.eval(), tok, metrics, run_cfg, summary, rec.samples)
+    with exclusive_dir(out) if main else contextlib.nullcontext():
+        check_out_dir(out, s.resume, s.overwrite)
+        cfg, amp = train_config(s), resolve_amp(s.amp, device)
+        run_cfg = _run_config(s, prof, preset, mcfg, tok, device, dinfo)
+        saved_state = check_resume(out, run_cfg, cfg, dinfo) if s.resume else None
+        ds, val, n_held_out = _datasets(s, tok, dinfo, log)  # 1. data
+        steps = train_steps(ds, s, dinfo)  # 2. the optimizer steps
+        sampler = steps.base if dinfo is not None else steps.batch_sampler
+        run_cfg["data_stats"] = {**ds.stats.to_dict(), "batches_per_epoch": len(sampler)}
+        if n_held_out is not None:
+            run_cfg["sft_val_holdout"] = n_held_out
+        # 3. the controller (under DDP every rank would have to agree on each change of size: none)
+        controller = None if dinfo is not None else make_controller(device, s.max_tokens, s.seq_len, tok.pad_token_id)
+        torch.manual_seed(s.seed)  # the same seed, the same initial weights
+        model = MiniMindForCausalLM(mcfg)
+        if init_state is not None:
+            model.load_state_dict(init_state)
+        if main:
+            start_run_dir(out, run_cfg, tok, s.resume)
+        start_step = int(saved_state["step"]) if saved_state is not None else 0
+        rec = Recorder(out, s, saved_state, model, tok, write=main)
+        log(f"{s.stage}: {s.steps} steps x {s.accum_steps} micro-batches of <= {s.max_tokens} tokens (seq_len "
+            f"{s.seq_len}), lr {s.lr:g}, {amp.reason}, device {device}"
+            + (f", {dinfo.world_size} ranks ({dinfo.backend})" if dinfo is not None else "")
+            + (f"; resuming {out} at step {start_step} of {s.steps}" if s.resume else ""))
+        t0 = time.perf_counter()
+        if not s.resume and val and main:
+            rec.prior = eval_before_training(model, val, device, amp.dtype)
+            log(f"{s.stage}: validation loss before training {rec.prior['val_loss'].iloc[0]:.3f}")
+        resume_from = out / STATE_FILE if s.resume else None
+        if dinfo is not None:  # 4. the loop
+            df = D.fit_distributed(model, steps, cfg, info=dinfo, val_batches=val, pad_id=tok.pad_token_id,
+                                   callbacks=[rec], resume_from=resume_from)
+        else:
+            with _stop_on_signals(rec):
+                df = fit(model, steps, cfg, device=device, val_batches=val, controller=controller, callbacks=[rec],
+                         resume_from=resume_from)
+        metrics, summary = _finish(rec, df, run_cfg, time.perf_counter() - t0, start_step, controller, dinfo)
+        if rec.interrupted:
+            raise RunError(f"stopped by {rec.interrupted} after step {summary['steps']} of {s.steps}: "
+                           f"{out / STATE_FILE} holds it; continue with --resume")
+        return RunResult(out, model.eval(), tok, metrics, run_cfg, summary, rec.samples)
+
+
+@contextlib.contextmanager
+def _stop_on_signals(rec: Recorder) -> Iterator[None]:
+    """While training, SIGINT/SIGTERM end the run after the current step, with a checkpoint."""
+    def stop(signum: int, frame: Any) -> None:
+        rec.interrupted = signal.Signals(signum).name
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C stops at once
+    main_thread = threading.current_thread() is threading.main_thread()  # the only one that may set handlers
+    saved = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)} if main_thread else {}
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
 
 
 def _run_maybe_distributed(stage: str, kwargs: dict) -> RunResult:

@@ -264,8 +264,9 @@ class _Run:
                                amp_dtype=self.amp.dtype, scaler=self.scaler, device=self.device,
                                n_tokens_total=n_tokens_total, normalization=self.cfg.normalization)
 
-    def save(self) -> str:
-        """Write the training state to ckpt_dir/last.pt (rank 0 only, never NaN weights); the event to log."""
+    def save(self, row: dict | None = None) -> str:
+        """Write the training state to ckpt_dir/last.pt (rank 0 only, never NaN weights), with what the callbacks'
+        `checkpoint_extra(row)` add (row: the step being saved); the event to log."""
         if self.ckpt_path is None:
             return ""
         if not all(bool(torch.isfinite(p).all()) for p in self.model.parameters()):
@@ -273,7 +274,9 @@ class _Run:
         if self.is_main_process:  # data parallel: rank 0 writes, every rank reads (resume, NaN rollback)
             save_training_state(self.ckpt_path, self.model, self.optimizer, cfg=self.cfg, step=self.step,
                                 scaler=self.scaler, data_state=self.stream.state_dict(), controller=self.controller,
-                                extra={"lr_scale": self.lr_scale, "bad_steps": self.bad_steps})
+                                extra={"lr_scale": self.lr_scale, "bad_steps": self.bad_steps,
+                                       **{k: v for cb in self.callbacks if hasattr(cb, "checkpoint_extra")
+                                          for k, v in cb.checkpoint_extra(row).items()}})
         return "ckpt"
 
     def restore(self, path: str | Path, resume: bool) -> None:
@@ -361,7 +364,7 @@ class _Run:
         if val_batches is not None and ((cfg.eval_every and done % cfg.eval_every == 0) or done == cfg.max_steps):
             ev = evaluate(self.model, val_batches, device=self.device, amp_dtype=self.amp.dtype)
             row["val_loss"], row["val_ppl"] = ev["loss"], ev["ppl"]
-        if cfg.ckpt_every and done % cfg.ckpt_every == 0 and (tag := self.save()):
+        if cfg.ckpt_every and done % cfg.ckpt_every == 0 and (tag := self.save(row)):
             row["events"].append(tag)
 
 
@@ -373,6 +376,7 @@ def fit(model: nn.Module, train_batches_or_loader: Iterable, cfg: TrainConfig, *
     The data yields cfg.accum_steps collated micro-batches per step, or, with a controller, each step's samples for
     `controller.run_step(item, accumulate_fn[, zero_grad=model])` to split. cb(step, row): "stop" ends training."""
     run = _Run(model, train_batches_or_loader, cfg, torch.device(device), controller, meter, is_main_process)
+    run.callbacks = list(callbacks or [])
     if resume_from is not None:
         run.restore(Path(resume_from), resume=True)
     else:
@@ -381,9 +385,9 @@ def fit(model: nn.Module, train_batches_or_loader: Iterable, cfg: TrainConfig, *
     with tqdm(total=cfg.max_steps, initial=run.step, disable=not cfg.progress, desc="train") as bar:
         while run.step < cfg.max_steps and not stop and (row := run.train_step()) is not None:  # None: data ran out
             run.count_bad_step(row)
+            row["wall_time"] = time.perf_counter() - t_start  # before the checkpoint, which holds the row
             if not row["skipped"]:
                 run.evaluate_and_save(row, val_batches)
-            row["wall_time"] = time.perf_counter() - t_start
             row["event"] = ";".join(row.pop("events"))
             rows.append(row)
             bar.update(max(0, run.step - bar.n))

@@ -1,0 +1,281 @@
+"""Try the command line as an adversarial user would, and write what each attempt gets to docs/reliability.md.
+
+    python tools/reliability_cases.py [--out docs/reliability.md]
+
+Every case runs `python -m minimind_lib ...` (or a few lines of library code) in a fresh process in the smoke profile
+on tiny sizes, in a temporary folder: bad data, bad checkpoints, kills and resumes, two runs into one --out, bad
+flags, API misuse. The table records the exit code and the first error line each one printed (or, for a run that
+should succeed, what it checked). It takes a few minutes; it is not part of `make test`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT / "data"
+TINY = ["--profile", "smoke", "--seq-len", "32", "--max-tokens", "128", "--accum", "1", "--max-samples", "48",
+        "--val-batches", "1", "--no-progress"]
+ENV = {**os.environ, "MINIMIND_PROFILE": "smoke", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT),
+       "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "")}
+
+
+class Cases:
+    """Runs the cases in one temporary folder T and keeps the table's rows."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.t, self.rows = tmp, []
+        self.cache = ["--cache", str(tmp / "cache")]
+
+    def show(self, args: list) -> str:
+        text = " ".join(str(a) for a in args).replace(str(self.t), "T").replace(" ".join(TINY), "TINY")
+        return text.replace(" --cache T/cache", "")
+
+    def start(self, args: list) -> subprocess.Popen:
+        argv = [sys.executable, "-m", "minimind_lib", *map(str, args)]
+        return subprocess.Popen(argv, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def run(self, case: str, args: list, expect: int | None = 2, check=None, python: str | None = None,
+            tiny: bool = True) -> dict:
+        """Run one command (python: library code instead of the CLI) and record exit code and first error line."""
+        if python is not None:
+            argv, shown = [sys.executable, "-c", python], f"python -c '{python}'"
+        else:
+            train = args[0] in ("pretrain", "sft")
+            args = [*args, *(TINY if tiny and train else []), *(self.cache if train else [])]
+            argv, shown = [sys.executable, "-m", "minimind_lib", *map(str, args)], self.show(["minimind", *args])
+        p = subprocess.run(argv, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+        return self.record(case, shown, p.returncode, p.stdout, p.stderr, expect, check)
+
+    def record(self, case: str, shown: str, code: int, out: str, err: str, expect: int | None, check) -> dict:
+        lines = [line for line in err.splitlines() if line.strip()]
+        last = lines[-1] if lines else ""  # a library call's exception is the traceback's last line
+        first = next((line for line in lines if line.startswith("error:") or ": error:" in line), last)
+        note = check() if check is not None else ""
+        library = shown.startswith("python -c")  # a library call raises: its traceback is the expected output
+        tracebacks = 0 if library else err.count("Traceback")
+        warning = next((line.split("Warning: ", 1)[1] for line in lines if "Warning: " in line), "")
+        result = "ok" + (f", warns: {warning}" if warning else "") + (f", prints: {out.strip()}" if out.strip() else "")
+        result = result if library else "ok"
+        first = f"(killed by signal {-code}: no output)" if code < 0 else first
+        what = (first if code else result) + (f"; {note}" if note else "") + ("; TRACEBACK" if tracebacks else "")
+        ok = (expect is None or code == expect) and not tracebacks and note is not False
+        self.rows.append((case, shown.replace("|", "\\|"), code, what.replace(str(self.t), "T").replace("|", "\\|"),
+                          "yes" if ok else "**NO**"))
+        print(f"[{'ok' if ok else 'UNEXPECTED'}] {case}: exit {code}: {what[:150]}", flush=True)
+        return {"code": code, "out": out, "err": err}
+
+    def data(self, name: str, lines: list[str]) -> Path:
+        path = self.t / name
+        path.write_text("".join(lines), encoding="utf-8")
+        return path
+
+
+def digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def snapshot(d: Path) -> dict:
+    return {str(p.relative_to(d)): digest(p) for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+def wait_for(path: Path, proc: subprocess.Popen, seconds: float = 300) -> bool:
+    end = time.time() + seconds
+    while time.time() < end and proc.poll() is None:
+        if path.exists() and path.stat().st_size > 0:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def data_cases(c: Cases, pre_lines: list[str]) -> None:
+    t = c.t
+    c.run("data file missing", ["pretrain", "--out", t / "r1", "--data", t / "nope.jsonl"])
+    bad = c.data("bad.jsonl", pre_lines[:30] + ["{not json\n"] + pre_lines[30:60])
+    c.run("a line that is not JSON", ["pretrain", "--out", t / "r2", "--data", bad, "--steps", 1])
+    c.run("the same, --on-error skip", ["pretrain", "--out", t / "r3", "--data", bad, "--steps", 1,
+                                         "--on-error", "skip"], expect=0,
+          check=lambda: f"n_skipped={json.loads((t / 'r3/config.json').read_text())['data_stats']['n_skipped']}")
+    c.run("empty data file", ["pretrain", "--out", t / "r4", "--data", c.data("empty.jsonl", [])])
+    c.run("pretrain file given to sft", ["sft", "--out", t / "r5", "--init", t / "pre", "--data",
+                                         DATA / "pretrain.jsonl", "--steps", 1])
+    long_system = json.dumps({"conversations": [{"role": "system", "content": "word " * 100},
+                                                {"role": "user", "content": "hi"},
+                                                {"role": "assistant", "content": "hello"}]}) + "\n"
+    c.run("SFT data with no assistant token within --seq-len", ["sft", "--out", t / "r6", "--init", t / "pre", "--data",
+                                                                c.data("cut.jsonl", [long_system]), "--steps", 1],
+          check=lambda: f"--out written: {(t / 'r6').exists()}")
+
+
+def flag_cases(c: Cases) -> None:
+    t = c.t
+    for flag, value in [("--steps", 0), ("--accum", 0), ("--max-tokens", 0), ("--lr", 0), ("--lr", "nan"),
+                        ("--seq-len", 0), ("--max-samples", -1), ("--stop-after", 0), ("--eval-every", -1)]:
+        c.run(f"{flag} {value}", ["pretrain", "--out", t / "f", flag, value])
+    c.run("--seq-len above the model's positions", ["pretrain", "--out", t / "f", *TINY[:2], "--seq-len", 4096,
+                                                    "--max-tokens", 4096, *TINY[6:]], tiny=False)
+    if not torch.cuda.is_available():
+        c.run("--device cuda on a machine without CUDA", ["pretrain", "--out", t / "f", "--device", "cuda"])
+    (t / "afile").write_text("a file")
+    c.run("--out is a regular file", ["pretrain", "--out", t / "afile", "--steps", 1])
+    c.run("chat --temperature nan", ["chat", "--ckpt", t / "pre", "--prompt", "hi", "--temperature", "nan"])
+    c.run("chat --max-new-tokens 0", ["chat", "--ckpt", t / "pre", "--prompt", "hi", "--max-new-tokens", 0])
+
+
+def out_dir_cases(c: Cases) -> None:
+    t = c.t
+    shutil.copytree(t / "pre", t / "copy")
+    before = snapshot(t / "copy")
+    c.run("--out holds a run, no --overwrite", ["pretrain", "--out", t / "copy", "--steps", 2],
+          check=lambda: f"run unchanged: {snapshot(t / 'copy') == before}")
+    (t / "mine/tokenizer").mkdir(parents=True)
+    (t / "mine/tokenizer/notes.txt").write_text("the user's")
+    c.run("--out/tokenizer/ holds a user's file", ["pretrain", "--out", t / "mine", "--steps", 1],
+          check=lambda: f"user's file kept: {(t / 'mine/tokenizer/notes.txt').exists()}")
+    c.run("--resume on a finished run", ["pretrain", "--out", t / "copy", "--steps", 2, "--resume"],
+          check=lambda: f"run unchanged: {snapshot(t / 'copy') == before}")
+    c.run("--resume with another --max-tokens", ["pretrain", "--out", t / "copy", "--steps", 2, "--resume",
+                                                 *TINY[:4], "--max-tokens", 256, *TINY[6:]], tiny=False)
+    c.run("--resume of a folder with no run", ["pretrain", "--out", t / "nothing", "--resume"])
+    first = c.start(["pretrain", "--out", t / "two", "--steps", 300, "--eval-every", 100, *TINY, *c.cache])
+    wait_for(t / "two/.lock", first)
+    c.run("two runs into one --out (the second)", ["pretrain", "--out", t / "two", "--steps", 300])
+    out, err = first.communicate(timeout=600)
+    shown = c.show(["minimind", "pretrain", "--out", t / "two", "--steps", 300, "--eval-every", 100, *TINY])
+    c.record("two runs into one --out (the first)", shown, first.returncode, out, err, 0,
+             lambda: f"its run complete: {json.loads((t / 'two/summary.json').read_text())['steps']} steps")
+
+
+def checkpoint_cases(c: Cases) -> None:
+    t = c.t
+    for name, write in [("random bytes", lambda p: p.write_bytes(os.urandom(4096))),
+                        ("a pickle payload", lambda p: p.write_bytes(pickle.dumps(Payload(t / "PWNED")))),
+                        ("NaN weights", lambda p: poison(p, math.nan)), ("int64 weights", lambda p: poison(p, None)),
+                        ("truncated", lambda p: p.write_bytes(p.read_bytes()[:5000]))]:
+        shutil.copytree(t / "pre", t / name.replace(" ", "_"))
+        write(t / name.replace(" ", "_") / "model.pth")
+        c.run(f"model.pth: {name} (chat)", ["chat", "--ckpt", t / name.replace(" ", "_"), "--prompt", "hi"],
+              check=(lambda: f"payload ran: {(t / 'PWNED').exists()}") if "pickle" in name else None)
+    c.run("model.pth: NaN weights (sft --init)", ["sft", "--out", t / "s1", "--init", t / "NaN_weights", "--steps", 1],
+          check=lambda: f"--out written: {(t / 's1').exists()}")
+    shutil.copytree(t / "pre", t / "badstate")
+    (t / "badstate/last.pt").write_bytes(b"\0" * 100)
+    c.run("last.pt zeroed, --resume", ["pretrain", "--out", t / "badstate", "--steps", 4, "--resume"])
+    c.run("chat --ckpt a folder that is not a run", ["chat", "--ckpt", t / "cache", "--prompt", "hi"])
+
+
+class Payload:
+    """Unpickling this would create a file: the check that a checkpoint's pickle is never executed."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def poison(path: Path, value: float | None) -> None:
+    state = torch.load(path, weights_only=True)
+    key = "model.layers.0.mlp.up_proj.weight"
+    state[key] = state[key].long() if value is None else state[key].clone().fill_(value)
+    torch.save(state, path)
+
+
+def kill_cases(c: Cases, pre_lines: list[str]) -> None:
+    t = c.t
+    run = ["pretrain", "--steps", 12, "--eval-every", 2, *TINY, *c.cache]
+    straight = c.run("uninterrupted run (the reference)", ["pretrain", "--out", t / "straight", "--steps", 12,
+                                                           "--eval-every", 2], expect=0)
+    for sig in (signal.SIGKILL, signal.SIGINT, signal.SIGTERM):
+        out = t / f"killed_{sig.name}"
+        proc = c.start(["pretrain", "--out", out] + run[1:])
+        wait_for(out / "last.pt", proc)
+        proc.send_signal(sig)
+        o, e = proc.communicate(timeout=600)
+        c.record(f"{sig.name} during training", c.show(["minimind", "pretrain", "--out", out] + run[1:]),
+                 proc.returncode, o, e, None if sig == signal.SIGKILL else 2,
+                 lambda: f"last.pt at step {torch.load(out / 'last.pt', weights_only=True)['step']}")
+        c.run(f"--resume after {sig.name}", ["pretrain", "--out", out, "--steps", 12, "--eval-every", 2, "--resume"],
+              expect=0, check=lambda: (f"model.pth bit-identical to the uninterrupted run: "
+                                       f"{digest(out / 'model.pth') == digest(t / 'straight/model.pth')}; metrics.csv "
+                                       f"{same_steps(out, t / 'straight')}"))
+    data = c.data("edited.jsonl", pre_lines[:200])
+    common = ["--data", data, "--steps", 4]
+    c.run("a run stopped after 2 of 4 steps", ["pretrain", "--out", t / "ed", *common, "--stop-after", 2], expect=0)
+    data.write_text("".join(pre_lines[100:200]), encoding="utf-8")
+    c.run("--resume after 100 lines were deleted from the data", ["pretrain", "--out", t / "ed", *common, "--resume"])
+    assert straight["code"] == 0
+
+
+def same_steps(a: Path, b: Path) -> str:
+    """Whether two runs' metrics.csv hold the same steps with the same losses (timings differ, of course)."""
+    import pandas as pd
+
+    x, y = (pd.read_csv(d / "metrics.csv")[["step", "loss", "tokens", "val_loss"]] for d in (a, b))
+    return "steps, losses, tokens equal" if x.equals(y) else f"DIFFER: {x.to_dict('list')} vs {y.to_dict('list')}"
+
+
+def api_cases(c: Cases) -> None:
+    prelude = "from minimind_lib.model import *; import torch; "
+    c.run("MiniMindConfig(hidden_size=0)", [], python=prelude + "MiniMindConfig(hidden_size=0)", expect=1)
+    c.run("a token id >= vocab_size", [], python=prelude + "MiniMindForCausalLM(MiniMindConfig.preset('smoke'))"
+          "(torch.tensor([[1, 6400]]))", expect=1)
+    gen = ("from minimind_lib.generate import generate_ids; m = MiniMindForCausalLM(MiniMindConfig.preset('smoke', "
+           "max_position_embeddings=16)); ")
+    c.run("generate: prompt fills every position", [], python=prelude + gen + "generate_ids(m, torch.ones(16).long())",
+          expect=1)
+    c.run("generate: 10 tokens asked, room for 2", [], python=prelude + gen + "print(generate_ids(m, "
+          "torch.ones(14).long(), 10, temperature=0).shape)", expect=0)
+    c.run("generate: temperature nan", [], python=prelude + gen + "generate_ids(m, torch.ones(4).long(), 2, "
+          "temperature=float('nan'))", expect=1)
+
+
+def write_table(rows: list, path: Path) -> None:
+    lines = ["# Reliability: what a user's mistakes and accidents get", "",
+             "Generated by `python tools/reliability_cases.py` (do not edit by hand): each row ran as written, in a "
+             "fresh process, in the smoke profile on tiny sizes (`TINY` = `" + " ".join(TINY) + "`), in a temporary "
+             "folder `T` where `T/pre` is a finished 2-step pretraining run. `minimind` stands for `python -m "
+             "minimind_lib`. *as promised* means the exit code is the expected one (0 for a run meant to succeed, 2 "
+             "for a refused input, 1 for a library call that raises) with no traceback.", "",
+             f"{len(rows)} cases, {sum(r[4] == 'yes' for r in rows)} as promised.", "",
+             "| case | command | exit | first error line (or what was checked) | as promised |",
+             "|---|---|---|---|---|"]
+    lines += [f"| {case} | `{cmd}` | {code} | {what} | {ok} |" for case, cmd, code, what, ok in rows]
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=str(ROOT / "docs" / "reliability.md"))
+    args = parser.parse_args()
+    pre_lines = (DATA / "pretrain.jsonl").read_text(encoding="utf-8").splitlines(keepends=True)
+    with tempfile.TemporaryDirectory(prefix="reliability-") as tmp:
+        c = Cases(Path(tmp))
+        c.run("a 2-step pretraining run (used below)", ["pretrain", "--out", c.t / "pre", "--steps", 2], expect=0)
+        data_cases(c, pre_lines)
+        flag_cases(c)
+        out_dir_cases(c)
+        checkpoint_cases(c)
+        kill_cases(c, pre_lines)
+        api_cases(c)
+    write_table(c.rows, Path(args.out))
+    print(f"wrote {args.out}: {len(c.rows)} cases, {sum(r[4] != 'yes' for r in c.rows)} not as promised")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
