@@ -61,7 +61,7 @@ def check_00_profiles(ci_profile: str | None, laptop_gpu_profile: str | None) ->
     def test():
         assert ci_profile == select_profile_name({"CI": "true"}, cuda_available=False), "ci_profile is not right."
         assert laptop_gpu_profile == select_profile_name({}, cuda_available=True), "laptop_gpu_profile is not right."
-    return verdict("00.1", "read select_profile_name's rules in section 4, or call it with the environment.",
+    return verdict("00.1", "read select_profile_name's rules in section 3, or call it with each environment.",
                    test, ci_profile, laptop_gpu_profile)
 
 
@@ -220,7 +220,8 @@ def check_03_bigger_part(answer: str | None, full: Any) -> None:
         e = estimate_memory(full, 1, 512)
         assert answer in ("layers", "head"), 'answer "layers" or "head".'
         assert answer == ("layers" if e["activations_bytes"] > e["head_bytes"] else "head"), "the other one is larger."
-    return verdict("03.3", "compare estimate_memory(full, 1, 512)['activations_bytes'] with its ['head_bytes'].",
+    return verdict("03.3", "estimate_memory returns each part in bytes: find the layers' activations and the head's "
+                   "among its keys.",
                    test, answer)
 
 
@@ -239,7 +240,7 @@ def check_04_naive_loss(fn: Callable, model: torch.nn.Module, micro: list[dict])
     def test():
         sums = _loss_sums(model, micro)
         got = fn(micro)
-        assert _close(float(got), sum(s / n for s, n in sums) / len(sums), 1e-4), \
+        assert _close(float(got), sum(s / n for s, n in sums) / len(sums), 1e-5), \
             "not the mean over micro-batches of each micro-batch's mean token loss."
     return verdict("04.1", "for each micro-batch: token_loss_sum(logits, labels) / count_trained(labels); then "
                    "average those k numbers; under torch.no_grad().", test, fn)
@@ -264,7 +265,7 @@ def check_04_exact_loss(fn: Callable, model: torch.nn.Module, micro: list[dict])
     def test():
         sums = _loss_sums(model, micro)
         want = sum(s for s, _ in sums) / sum(n for _, n in sums)
-        assert _close(float(fn(micro)), want, 1e-4), "not the sum of token losses over all trained tokens of the step."
+        assert _close(float(fn(micro)), want, 1e-5), "not the sum of token losses over all trained tokens of the step."
     return verdict("04.3", "add up the token-loss sums of the micro-batches and divide by the step's total count "
                    "of trained tokens.", test, fn)
 
@@ -315,7 +316,7 @@ def check_05_t4(t4_dtype: str | None, t4_scaler: bool | None) -> None:
             device_module.bf16_native = real
         assert t4_dtype == t4.name, "t4_dtype is not right."
         assert t4_scaler == t4.use_scaler, "t4_scaler is not right."
-    return verdict("05.3", "read resolve_amp's rule in section 9: what does auto pick without native bf16, and "
+    return verdict("05.3", "read resolve_amp's rule in section 5: what does auto pick without native bf16, and "
                    "does that format need loss scaling?", test, t4_dtype, t4_scaler)
 
 
