@@ -50,7 +50,8 @@ def verdict(exercise: str, hint: str, test: Callable[[], None], *answers: Any) -
 
 
 def _close(a: Any, b: float, rel: float = 1e-6) -> None:
-    return isinstance(a, (int, float)) and not isinstance(a, bool) and math.isclose(float(a), b, rel_tol=rel, abs_tol=1e-12)
+    is_number = isinstance(a, (int, float)) and not isinstance(a, bool)
+    return is_number and math.isclose(float(a), b, rel_tol=rel, abs_tol=1e-12)
 
 
 # 00 setup -------------------------------------------------------------------------------------------------------------
@@ -255,7 +256,8 @@ def check_04_token_weights(fn: Callable) -> None:
             assert len(got_naive) == k and len(got_token) == k, "return one weight per micro-batch."
             assert all(_close(float(g), 1 / (k * n)) for g, n in zip(got_naive, counts)), \
                 f"naive weights for counts {counts} are not right."
-            assert all(_close(float(g), 1 / total) for g in got_token), f"token weights for counts {counts} are not right."
+            assert all(_close(float(g), 1 / total) for g in got_token), \
+                f"token weights for counts {counts} are not right."
     return verdict("04.2", "naive: a micro-batch's mean divides by its own count, the average by k; token: every "
                    "token is divided by the step's total count.", test, fn)
 
@@ -299,7 +301,8 @@ def check_05_lost_updates(fn: Callable) -> None:
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
             got = fn(w, update, dtype)
             assert _close(float(got), _lost_fraction(w, update, dtype), 1e-6), f"{dtype}: your fraction is not right."
-    return verdict("05.2", "store w and the update in dtype, add them, and compare the sum with the stored weights.", test, fn)
+    return verdict("05.2", "store w and the update in dtype, add them, and compare the sum with the stored weights.",
+                   test, fn)
 
 
 def check_05_t4(t4_dtype: str | None, t4_scaler: bool | None) -> None:
@@ -426,7 +429,8 @@ def check_07_tokens_to_reach(fn: Callable, metrics: Any) -> None:
             want = int(seen[below[0]]) if len(below) else None
             got = fn(metrics, target)
             assert (got is None if want is None else got is not None and int(got) == want), \
-                f"loss below {target:.4f}: {got!r} is not right (the tokens up to and including that step; None if never)."
+                (f"loss below {target:.4f}: {got!r} is not right (the tokens up to and including that step; "
+                 "None if never).")
     return verdict("07.2", "keep rows with step >= 0 (the row at step -1 is the evaluation before training); "
                    "cumulative sum of 'tokens'; the first row whose loss < target.", test, fn)
 

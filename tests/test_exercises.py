@@ -108,7 +108,8 @@ LIGHT_CASES = {  # check, placeholder, wrong answer, right answer, text the plac
     "05.3": (ec.check_05_t4, None, ("bf16", False), ("fp16", True), "fp16"),
     "08.2": (ec.check_08_masked_loss, _raises_not_implemented, lambda logits, labels: logits.mean(),
              lambda logits, labels: torch.nn.functional.cross_entropy(
-                 logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100), "[:, :-1]"),
+                 logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100),
+             "[:, :-1]"),
     "09.1": (ec.check_09_rank_loss, _raises_not_implemented, lambda s, n, w: s / n, lambda s, n, w: s / n * w, "* w"),
     "09.4": (ec.check_09_unmatched_broadcasts, None, 3, 2, "2"),
 }
