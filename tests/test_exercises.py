@@ -44,6 +44,12 @@ def test_every_chapter_is_found():
     assert sorted(ec.CHAPTERS.values()) == [p.stem for p in CHAPTERS]
 
 
+def test_every_check_is_used_once():
+    called = [name for p in CHAPTERS for name in checks_called(nbformat.read(p, as_version=4))]
+    defined = sorted(name for name in vars(ec) if name.startswith("check_"))
+    assert sorted(called) == defined, "each check of exercise_checks.py belongs to exactly one exercise"
+
+
 @pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem)
 def test_chapter_exercises_have_a_placeholder_and_a_check(path):
     nb = nbformat.read(path, as_version=4)
@@ -72,7 +78,8 @@ def test_solution_notebook_runs_the_same_checks(path):
     assert len(exercises(solution_nb)) == len(exercises(chapter_nb))
     assert any("ec.STRICT = True" in c.source for c in solution_nb.cells), "a solution notebook must pass its checks"
     assert f"../{path.name}" in solution_nb.cells[0].source, "the header links back to the chapter"
-    assert solution_nb.metadata.get("kernelspec") == chapter_nb.metadata.get("kernelspec")
+    assert solution_nb.metadata.get("kernelspec") == chapter_nb.metadata.get("kernelspec"), \
+        f"{solution.name}: its kernelspec should be its chapter's (copy the chapter's metadata)"
 
 
 @pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem)
