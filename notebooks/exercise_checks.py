@@ -1,0 +1,551 @@
+"""Checks for the exercises of notebooks 00-09, shared by each chapter and its solution notebook (notebooks/solutions/).
+
+Each check takes the learner's answer (a value or a function) and what the notebook built, and then:
+- with the placeholder (None, or a function that raises NotImplementedError) prints "not attempted yet", a hint and
+  where the worked solution is, never the answer;
+- with a wrong answer raises AssertionError whose message says what is wrong and gives the hint;
+- with a right answer prints a line that says it passed.
+This file is not part of minimind_lib: it is course material, like the notebooks.
+"""
+from __future__ import annotations
+
+import copy
+import math
+import re
+from typing import Any, Callable
+
+import torch
+
+CHAPTERS = {"00": "00_setup", "01": "01_tokenizer", "02": "02_data", "03": "03_model",
+            "04": "04_gradient_accumulation", "05": "05_mixed_precision", "06": "06_dynamic_batching",
+            "07": "07_pretrain", "08": "08_sft", "09": "09_beyond_one_gpu"}
+NOT_ATTEMPTED = "not attempted yet"
+PASSED = "passed"
+STRICT = False  # the solution notebooks set True: there, an exercise left unattempted is an error
+
+
+def solution_path(exercise: str) -> str:
+    """Where the worked solution of an exercise such as "03.1" lives."""
+    return f"notebooks/solutions/{CHAPTERS[exercise[:2]]}.ipynb"
+
+
+def _not_attempted(exercise: str, hint: str) -> None:
+    line = f"exercise {exercise}: {NOT_ATTEMPTED}. Hint: {hint} Worked solution: {solution_path(exercise)}"
+    if STRICT:
+        raise AssertionError(line)
+    print(line)
+
+
+def verdict(exercise: str, hint: str, test: Callable[[], None], *answers: Any) -> None:
+    """Run `test` on the learner's answers; print not-attempted or passed, or raise AssertionError with the hint."""
+    if any(a is None for a in answers):
+        return _not_attempted(exercise, hint)
+    try:
+        test()
+    except NotImplementedError:
+        return _not_attempted(exercise, hint)
+    except AssertionError as e:
+        raise AssertionError(f"exercise {exercise}: not right yet: {e} Hint: {hint}") from None
+    print(f"exercise {exercise}: {PASSED}")
+
+
+def _close(a: Any, b: float, rel: float = 1e-6) -> None:
+    is_number = isinstance(a, (int, float)) and not isinstance(a, bool)
+    return is_number and math.isclose(float(a), b, rel_tol=rel, abs_tol=1e-12)
+
+
+# 00 setup -------------------------------------------------------------------------------------------------------------
+def check_00_profiles(ci_profile: str | None, laptop_gpu_profile: str | None) -> None:
+    """Exercise 00.1: the profile a CI service without a GPU gets, and the one a laptop with a GPU gets."""
+    from minimind_lib.profiles import select_profile_name
+
+    def test():
+        assert ci_profile == select_profile_name({"CI": "true"}, cuda_available=False), "ci_profile is not right."
+        assert laptop_gpu_profile == select_profile_name({}, cuda_available=True), "laptop_gpu_profile is not right."
+    return verdict("00.1", "read select_profile_name's rules in section 3, or call it with each environment.",
+                   test, ci_profile, laptop_gpu_profile)
+
+
+def check_00_memory_fraction(fraction: float | None) -> None:
+    """Exercise 00.2: the memory fraction that makes an 80 GiB card behave like a 24 GiB one."""
+    def test():
+        assert _close(fraction, 24 / 80, 1e-3), f"{fraction!r} is not the share of the card that 24 GiB is."
+    return verdict("00.2", "the fraction is target bytes / total bytes (memory_fraction_for).", test, fraction)
+
+
+# 01 tokenizer ---------------------------------------------------------------------------------------------------------
+def check_01_bytes_per_token(value: float | None, corpus: list[str], held_out: list[str]) -> None:
+    """Exercise 01.1: bytes per token on held_out of a BPE trained on corpus with 50 merges."""
+    from minimind_lib import bpe
+
+    def test():
+        merges, _ = bpe.train(corpus, 256 + 50)
+        want = sum(len(t.encode()) for t in held_out) / sum(len(bpe.encode(t, merges)) for t in held_out)
+        assert _close(value, want, 1e-9), f"{value!r} is not the bytes per token of 50 merges on held_out."
+    return verdict("01.1", "train(corpus, 256 + 50), then total UTF-8 bytes of held_out / total tokens of "
+                   "encode(text, merges) over held_out.", test, value)
+
+
+COUNT_LINE = "床前明月光，疑是地上霜。"
+
+
+def check_01_count_tokens(n_tokens: int | None, n_bytes: int | None, tok: Any) -> None:
+    """Exercise 01.2: tokens and UTF-8 bytes of one line of Chinese verse."""
+    def test():
+        assert n_bytes == len(COUNT_LINE.encode("utf-8")), "n_bytes: count the UTF-8 bytes, not the characters."
+        assert n_tokens == len(tok.encode(COUNT_LINE)), "n_tokens: count the ids tok.encode returns."
+    return verdict("01.2", "tok.encode gives the ids; str.encode('utf-8') gives the bytes (3 per Chinese character).",
+                   test, n_tokens, n_bytes)
+
+
+def check_01_chat_prompt(my_prompt: str | None, conv: list[dict], tok: Any) -> None:
+    """Exercise 01.3: the ChatML prompt of conv with the generation prompt, written by hand."""
+    def test():
+        want = tok.apply_chat_template(conv, add_generation_prompt=True)
+        assert isinstance(my_prompt, str), "my_prompt must be a str."
+        assert my_prompt.startswith("<|im_start|>"), "a ChatML prompt starts with <|im_start|>."
+        assert my_prompt == want, "the string differs from the template's; mind every \\n and the generation prompt."
+    return verdict("01.3", "each turn is <|im_start|>role\\ncontent<|im_end|>\\n; the generation prompt adds "
+                   "<|im_start|>assistant\\n.", test, my_prompt)
+
+
+class _Vocab:
+    """A stand-in tokenizer with a given vocabulary of strings (decode of one id is its string)."""
+
+    def __init__(self, tokens: list[str]) -> None:
+        self.tokens, self.vocab_size = tokens, len(tokens)
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(self.tokens[i] for i in ids)
+
+
+def _inner_space_ids(tok: Any) -> list[int]:
+    return [i for i in range(tok.vocab_size) if re.search(r"\S ", tok.decode([i]))]
+
+
+def check_01_inner_space(fn: Callable[[Any], list[int]], tok: Any) -> None:
+    """Exercise 01.4: ids of tokens whose text has a space right after a non-space character."""
+    def test():
+        toy = _Vocab(["a", " b", "o b", "ab  ", "  ", "x y z", "c"])
+        assert sorted(fn(toy)) == _inner_space_ids(toy), \
+            "on a toy vocabulary ['a', ' b', 'o b', 'ab  ', '  ', 'x y z', 'c'] your ids are wrong."
+        assert sorted(fn(tok)) == _inner_space_ids(tok), "on tok your list differs."
+    return verdict("01.4", "decode each id alone (tok.decode([i]) for every id) and look for a space that "
+                   "follows a non-space character.", test, fn)
+
+
+# 02 data --------------------------------------------------------------------------------------------------------------
+def _newline_after_reply(ids: list[int], mask: list[int], eos_id: int) -> list[int]:
+    return [k + 1 for k in range(len(ids) - 1) if mask[k] and ids[k] == eos_id]
+
+
+def check_02_minimind_mask(fn: Callable, extra_trained: int | None, sft_mm: Any, eos_id: int) -> None:
+    """Exercise 02.1: MiniMind's mask (also the newline after <|im_end|>) and how many more tokens it trains."""
+    def test():
+        for i in range(min(50, len(sft_mm))):
+            ids, mask = sft_mm.raw(i)[0].tolist(), sft_mm.raw(i)[1].tolist()
+            want = list(mask)
+            for k in _newline_after_reply(ids, mask, eos_id):
+                want[k] = 1
+            assert [int(m) for m in fn(ids)] == want, f"sample {i}: your mask differs from MiniMind's rule."
+        total = sum(len(_newline_after_reply(sft_mm.raw(i)[0].tolist(), sft_mm.raw(i)[1].tolist(), eos_id))
+                    for i in range(len(sft_mm)))
+        assert extra_trained == total, "extra_trained: count over every sample of sft_mm, not a few."
+    return verdict("02.1", "start from assistant_mask; after each trained <|im_end|> also set the next position "
+                   "to 1. Then sum(new) - sum(old) over every sft_mm.raw(i)[0].", test, fn, extra_trained)
+
+
+def check_02_padding_64(value: float | None, lengths: Any) -> None:
+    """Exercise 02.2: the padding fraction of consecutive batches of 64 SFT samples padded to the longest row."""
+    from minimind_lib.data import padding_fraction
+
+    def test():
+        lengths_ = [int(n) for n in lengths]
+        want = padding_fraction([lengths_[i:i + 64] for i in range(0, len(lengths_), 64)])
+        assert _close(value, want, 1e-9), f"{value!r} is not the padding fraction of consecutive batches of 64."
+    return verdict("02.2", "cut sft_mm.lengths into consecutive slices of 64 and give them to padding_fraction "
+                   "without seq_len (pad to the longest row).", test, value)
+
+
+def check_02_memmap_bytes(fn: Callable[[int, int], int]) -> None:
+    """Exercise 02.3: disk bytes of the .bin and .idx.npy of section 4."""
+    def test():
+        for n_tokens, n in ((1000, 10), (1, 1), (5_000_000, 12_345)):
+            got = fn(n_tokens, n)
+            assert got == 2 * n_tokens + 8 * (n + 1) + 128, f"memmap_bytes({n_tokens}, {n}) = {got!r} is not right."
+    return verdict("02.3", "uint16 tokens; int64 offsets, one more than the samples; plus np.save's header.", test, fn)
+
+
+# 03 model -------------------------------------------------------------------------------------------------------------
+def _configs() -> list:
+    from minimind_lib.model import MiniMindConfig
+    return [MiniMindConfig(), MiniMindConfig(hidden_size=768, num_hidden_layers=16, num_attention_heads=12,
+                                              num_key_value_heads=4),
+            MiniMindConfig(hidden_size=256, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=1)]
+
+
+def check_03_block_params(fn: Callable) -> None:
+    """Exercise 03.1: the parameters of one transformer block, from the config alone."""
+    from minimind_lib.model import MiniMindBlock
+
+    def test():
+        for c in _configs():
+            with torch.device("meta"):
+                want = sum(p.numel() for p in MiniMindBlock(c).parameters())
+            got = fn(c)
+            assert got == want, (f"hidden {c.hidden_size}, heads {c.num_attention_heads}/{c.num_key_value_heads}: "
+                                 f"{got!r} is {'too many' if isinstance(got, int) and got > want else 'not right'}.")
+    return verdict("03.1", "q and o are hidden x hidden; k and v are hidden x (kv heads x head_dim); gate, up and "
+                   "down are hidden x intermediate_size; two RMSNorm weights of size hidden; no biases.", test, fn)
+
+
+def check_03_model_params(fn: Callable) -> None:
+    """Exercise 03.2: the whole model's parameters (tied embedding counted once)."""
+    from minimind_lib.model import MiniMindForCausalLM, count_parameters
+
+    def test():
+        for c in _configs():
+            with torch.device("meta"):
+                want = count_parameters(MiniMindForCausalLM(c))["total"]
+            got = fn(c)
+            assert got == want, f"hidden {c.hidden_size}, {c.num_hidden_layers} layers: {got!r} is not right."
+    return verdict("03.2", "embedding (vocab x hidden, shared with lm_head: count it once) + layers x your "
+                   "block_params + the final norm.", test, fn)
+
+
+def check_03_bigger_part(answer: str | None, full: Any) -> None:
+    """Exercise 03.3: the layers' activations or the head, which is larger for MiniMind2-small at 1 x 512."""
+    from minimind_lib.memory import estimate_memory
+
+    def test():
+        e = estimate_memory(full, 1, 512)
+        assert answer in ("layers", "head"), 'answer "layers" or "head".'
+        assert answer == ("layers" if e["activations_bytes"] > e["head_bytes"] else "head"), "the other one is larger."
+    return verdict("03.3", "estimate_memory returns each part in bytes: find the layers' activations and the head's "
+                   "among its keys.",
+                   test, answer)
+
+
+# 04 gradient accumulation ---------------------------------------------------------------------------------------------
+@torch.no_grad()
+def _loss_sums(model: torch.nn.Module, micro_batches: list[dict]) -> list[tuple[float, int]]:
+    from minimind_lib.data import trained_tokens
+    from minimind_lib.model import lm_loss
+    device = next(model.parameters()).device
+    return [(float(lm_loss(model(mb["input_ids"].to(device)).logits, mb["labels"].to(device), reduction="sum")),
+             int(trained_tokens(mb["labels"]))) for mb in micro_batches]
+
+
+def check_04_naive_loss(fn: Callable, model: torch.nn.Module, micro: list[dict]) -> None:
+    """Exercise 04.1: the loss MiniMind's loop optimises: the mean of the micro-batches' mean token losses."""
+    def test():
+        sums = _loss_sums(model, micro)
+        got = fn(micro)
+        assert _close(float(got), sum(s / n for s, n in sums) / len(sums), 1e-5), \
+            "not the mean over micro-batches of each micro-batch's mean token loss."
+    return verdict("04.1", "for each micro-batch: token_loss_sum(logits, labels) / count_trained(labels); then "
+                   "average those k numbers; under torch.no_grad().", test, fn)
+
+
+def check_04_token_weights(fn: Callable) -> None:
+    """Exercise 04.2: the weight one trained token gets in each micro-batch, naive and token-weighted."""
+    def test():
+        for counts in ([10, 90], [3, 5, 7, 1], [50]):
+            k, total = len(counts), sum(counts)
+            got_naive, got_token = list(fn(counts, "naive")), list(fn(counts, "token"))
+            assert len(got_naive) == k and len(got_token) == k, "return one weight per micro-batch."
+            assert all(_close(float(g), 1 / (k * n)) for g, n in zip(got_naive, counts)), \
+                f"naive weights for counts {counts} are not right."
+            assert all(_close(float(g), 1 / total) for g in got_token), \
+                f"token weights for counts {counts} are not right."
+    return verdict("04.2", "naive: a micro-batch's mean divides by its own count, the average by k; token: every "
+                   "token is divided by the step's total count.", test, fn)
+
+
+def check_04_exact_loss(fn: Callable, model: torch.nn.Module, micro: list[dict]) -> None:
+    """Exercise 04.3: the token-weighted step loss, which equals one big batch's mean token loss."""
+    def test():
+        sums = _loss_sums(model, micro)
+        want = sum(s for s, _ in sums) / sum(n for _, n in sums)
+        assert _close(float(fn(micro)), want, 1e-5), "not the sum of token losses over all trained tokens of the step."
+    return verdict("04.3", "add up the token-loss sums of the micro-batches and divide by the step's total count "
+                   "of trained tokens.", test, fn)
+
+
+# 05 mixed precision ---------------------------------------------------------------------------------------------------
+def _rounding_error(x: torch.Tensor, dtype: torch.dtype) -> float:
+    return float(((x.to(dtype).float() - x).abs() / x.abs()).max())
+
+
+def check_05_rounding_error(fn: Callable) -> None:
+    """Exercise 05.1: the largest relative rounding error of a float32 tensor cast to a 16-bit type."""
+    def test():
+        x = torch.randn(10_000, generator=torch.Generator().manual_seed(0)) * 3 + 0.01
+        for dtype in (torch.bfloat16, torch.float16):
+            got = fn(x, dtype)
+            assert _close(float(got), _rounding_error(x, dtype), 1e-4), f"{dtype}: your error is not right."
+    return verdict("05.1", "cast to dtype and back to float32, then max |rounded - x| / |x|; bf16 keeps 8 bits of "
+                   "mantissa, fp16 11.", test, fn)
+
+
+def _lost_fraction(w: torch.Tensor, update: torch.Tensor, dtype: torch.dtype) -> float:
+    w16 = w.to(dtype)
+    return float((w16 + update.to(dtype) == w16).float().mean())
+
+
+def check_05_lost_updates(fn: Callable) -> None:
+    """Exercise 05.2: the share of weights that an update leaves unchanged when weights are stored in dtype."""
+    def test():
+        g = torch.Generator().manual_seed(1)
+        w, update = torch.randn(10_000, generator=g) * 0.02, torch.full((10_000,), 1e-5)
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            got = fn(w, update, dtype)
+            assert _close(float(got), _lost_fraction(w, update, dtype), 1e-6), f"{dtype}: your fraction is not right."
+    return verdict("05.2", "store w and the update in dtype, add them, and compare the sum with the stored weights.",
+                   test, fn)
+
+
+def check_05_t4(t4_dtype: str | None, t4_scaler: bool | None) -> None:
+    """Exercise 05.3: what amp="auto" chooses on a CUDA card without native bf16 (a T4)."""
+    import minimind_lib.device as device_module
+    from minimind_lib.train import resolve_amp
+
+    def test():
+        real = device_module.bf16_native
+        device_module.bf16_native = lambda d: False  # pretend: a CUDA card without native bf16
+        try:
+            t4 = resolve_amp("auto", torch.device("cuda"))
+        finally:
+            device_module.bf16_native = real
+        assert t4_dtype == t4.name, "t4_dtype is not right."
+        assert t4_scaler == t4.use_scaler, "t4_scaler is not right."
+    return verdict("05.3", "read resolve_amp's rule in section 5: what does auto pick without native bf16, and "
+                   "does that format need loss scaling?", test, t4_dtype, t4_scaler)
+
+
+# 06 dynamic batching --------------------------------------------------------------------------------------------------
+def check_06_padded_fraction(fn: Callable, lengths: Any) -> None:
+    """Exercise 06.1: the padding fraction of batches of sample lengths."""
+    from minimind_lib.data import padding_fraction
+
+    def test():
+        assert _close(float(fn([[2, 4], [3]])), 1 - 9 / 11, 1e-9), "padding to the longest row: [[2, 4], [3]]."
+        assert _close(float(fn([[2, 4], [3]], seq_len=8)), 1 - 9 / 24, 1e-9), "padding to seq_len=8: [[2, 4], [3]]."
+        real = [int(n) for n in lengths[:200]]
+        batches = [real[i:i + 8] for i in range(0, len(real), 8)]
+        assert _close(float(fn(batches)), padding_fraction(batches), 1e-9), "differs on batches of 8 real lengths."
+    return verdict("06.1", "real tokens = sum of all lengths; padded = sum over batches of rows x (seq_len or the "
+                   "batch's longest); return 1 - real / padded.", test, fn)
+
+
+def check_06_capped_batches(fn: Callable) -> None:
+    """Exercise 06.2: token-budget batches with a row cap, as the library's sampler makes them."""
+    import numpy as np
+    from minimind_lib.batching import TokenBudgetBatchSampler
+
+    def test():
+        rng = np.random.default_rng(0)
+        for _ in range(20):
+            lengths = rng.integers(1, 50, size=40).tolist()
+            want = TokenBudgetBatchSampler(lengths, 100, max_batch_size=3, shuffle=False).batches()
+            got = [list(map(int, b)) for b in fn(lengths, 100, 3)]
+            assert got == [list(map(int, b)) for b in want], f"differs from the library on lengths {lengths[:8]}..."
+    return verdict("06.2", "sort indices longest first (stable), then fill_batches with max_batch_size: a batch "
+                   "closes when the next row would exceed max_tokens (rows x longest) or max_rows.", test, fn)
+
+
+def _first_fit(lengths: list[int], seq_len: int) -> list[list[int]]:
+    rows, room = [], []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        r = next((r for r in range(len(rows)) if room[r] >= lengths[i]), None)
+        if r is None:
+            rows.append([]), room.append(seq_len)
+            r = len(rows) - 1
+        rows[r].append(i)
+        room[r] -= lengths[i]
+    return rows
+
+
+def check_06_first_fit(fn: Callable, lengths: Any, seq_len: int) -> None:
+    """Exercise 06.3: first-fit packing of whole documents into rows of seq_len tokens."""
+    def test():
+        toy = fn([5, 4, 3, 3, 2, 2, 1], 8)
+        assert sorted(i for r in toy for i in r) == list(range(7)), "every document must be in exactly one row."
+        assert all(sum([5, 4, 3, 3, 2, 2, 1][i] for i in r) <= 8 for r in toy), "a toy row holds more than 8 tokens."
+        assert [list(r) for r in toy] == _first_fit([5, 4, 3, 3, 2, 2, 1], 8), \
+            "on [5, 4, 3, 3, 2, 2, 1] with seq_len 8 the rows are not first fit, longest first."
+        real = [min(int(n), seq_len) for n in lengths[:300]]
+        assert [list(r) for r in fn(real, seq_len)] == _first_fit(real, seq_len), "differs on 300 real lengths."
+    return verdict("06.3", "visit documents by (-length, index); put each into the first row whose room is "
+                   "enough, else open a new row.", test, fn)
+
+
+def _clean_and_stale(model: torch.nn.Module, micro: list[dict]) -> float:
+    from minimind_lib.train import accumulate_step
+    clean, stale = copy.deepcopy(model), copy.deepcopy(model)
+    accumulate_step(clean, micro)
+    accumulate_step(stale, micro[:1])  # the failed attempt got this far
+    accumulate_step(stale, micro)
+    return max(float((s.grad - c.grad).norm() / c.grad.norm()) for s, c in zip(stale.parameters(), clean.parameters())
+               if c.grad is not None and c.grad.norm() > 0)
+
+
+def check_06_stale_gradient(fn: Callable, model: torch.nn.Module, micro: list[dict]) -> None:
+    """Exercise 06.4: how far a retry without zeroing the gradients is from a clean step."""
+    def test():
+        got = float(fn(model, micro))
+        assert got > 0.01, f"a gradient that kept the failed attempt's part is off by more than 1%, you got {got:.2g}."
+        assert _close(got, _clean_and_stale(model, micro), 1e-3), \
+            "not max over parameters of |g_stale - g_clean| / |g_clean| (norms per parameter)."
+    return verdict("06.4", "copy.deepcopy(model) twice; clean: accumulate_step(all); stale: accumulate_step(first "
+                   "micro-batch), then accumulate_step(all) without zero_grad; compare per parameter.", test, fn)
+
+
+# 07 pretraining -------------------------------------------------------------------------------------------------------
+def check_07_lr(fn: Callable, train_cfg: dict, metrics: Any) -> None:
+    """Exercise 07.1: the run's learning rate at every step, from its config, against what the run logged."""
+    from minimind_lib.train import lr_at
+    keys = ("lr", "min_lr", "warmup_steps", "max_steps")
+
+    def test():
+        trained = metrics[metrics["step"] >= 0]
+        for step, logged in zip(trained["step"], trained["lr"]):
+            want = lr_at(int(step), **{k: train_cfg[k] for k in keys})
+            got = fn(int(step), train_cfg)
+            assert _close(float(got), want, 1e-6), f"step {int(step)}: {got!r} is not the schedule's value."
+            assert _close(float(got), float(logged), 1e-4), f"step {int(step)}: the run logged another learning rate."
+    return verdict("07.1", "warmup: lr * (step + 1) / warmup_steps; then a cosine from lr to min_lr over the steps "
+                   "left up to max_steps (notebook 04, section 2).", test, fn)
+
+
+def check_07_tokens_to_reach(fn: Callable, metrics: Any) -> None:
+    """Exercise 07.2: tokens trained when the training loss first fell below a value."""
+    def test():
+        trained = metrics[metrics["step"] >= 0].reset_index(drop=True)
+        seen = trained["tokens"].cumsum()
+        losses = trained["loss"].dropna()
+        for target in (float(losses.iloc[0]) - 1e-6, float(losses.median()), float(losses.min()) + 1e-9, 0.0):
+            below = trained.index[trained["loss"] < target]
+            want = int(seen[below[0]]) if len(below) else None
+            got = fn(metrics, target)
+            assert (got is None if want is None else got is not None and int(got) == want), \
+                (f"loss below {target:.4f}: {got!r} is not right (the tokens up to and including that step; "
+                 "None if never).")
+    return verdict("07.2", "keep rows with step >= 0 (the row at step -1 is the evaluation before training); "
+                   "cumulative sum of 'tokens'; the first row whose loss < target.", test, fn)
+
+
+def check_07_perplexity(fn: Callable, metrics: Any) -> None:
+    """Exercise 07.3: validation perplexity at each evaluation, from the logged validation loss."""
+    def test():
+        val = metrics.dropna(subset=["val_loss"])
+        got = fn(metrics)
+        assert len(got) == len(val), "one perplexity per evaluation (rows with a val_loss)."
+        assert all(_close(float(g), math.exp(v), 1e-6) for g, v in zip(got, val["val_loss"])), \
+            "perplexity is e to the power of the mean token loss."
+    return verdict("07.3", "metrics.dropna(subset=['val_loss']), then exp of each val_loss.", test, fn)
+
+
+# 08 SFT ---------------------------------------------------------------------------------------------------------------
+CONVERSATIONS = [
+    [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello! How can I help?"}],
+    [{"role": "system", "content": "You are MiniMind."}, {"role": "user", "content": "2+2?"},
+     {"role": "assistant", "content": "4."}, {"role": "user", "content": "床前明月光的下一句？"},
+     {"role": "assistant", "content": "疑是地上霜。"}],
+]
+
+
+def check_08_sft_labels(fn: Callable, tok: Any) -> None:
+    """Exercise 08.1: labels of a conversation: its ids on assistant replies and their <|im_end|>, -100 elsewhere."""
+    from minimind_lib.corpus import encode_sft
+
+    def test():
+        for conv in CONVERSATIONS:
+            ids, mask = encode_sft(tok, conv)
+            want = [int(i) if m else -100 for i, m in zip(ids, mask)]
+            got = [int(x) for x in fn(conv)]
+            assert len(got) == len(want), f"{len(got)} labels for {len(want)} tokens of the template's ids."
+            assert got == want, f"labels differ on a conversation of {len(conv)} turns."
+    return verdict("08.1", "ids = tok.apply_chat_template(conv, tokenize=True); label = id from each assistant "
+                   "header's end to its <|im_end|> (included), -100 elsewhere (notebook 02, section 3).", test, fn)
+
+
+def check_08_masked_loss(fn: Callable) -> None:
+    """Exercise 08.2: the SFT loss: next-token cross-entropy averaged over positions with a label."""
+    from minimind_lib.model import lm_loss
+
+    def test():
+        g = torch.Generator().manual_seed(0)
+        logits = torch.randn(2, 7, 11, generator=g)
+        labels = torch.randint(0, 11, (2, 7), generator=g)
+        labels[0, :3] = -100
+        labels[1, 4:] = -100
+        got = fn(logits, labels)
+        assert torch.is_tensor(got) and got.dim() == 0, "return a scalar tensor."
+        assert torch.allclose(got.float(), lm_loss(logits, labels), atol=1e-5), \
+            "not the mean over trained targets: logits[:, t] predicts labels[:, t + 1]; ignore -100."
+    return verdict("08.2", "shift by one (the logits at t score the label at t + 1) and let F.cross_entropy "
+                   "ignore -100.", test, fn)
+
+
+def check_08_prompt_text(prompt_text: str | None, tok: Any) -> None:
+    """Exercise 08.3: the text the model sees when it must answer "hi"."""
+    def test():
+        want = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True)
+        assert prompt_text == want, "the string differs from the template's; mind every \\n and what comes last."
+    return verdict("08.3", "one user turn in ChatML, then the header the assistant's answer starts after.",
+                   test, prompt_text)
+
+
+# 09 beyond one GPU ----------------------------------------------------------------------------------------------------
+def check_09_rank_loss(fn: Callable) -> None:
+    """Exercise 09.1: each rank's loss so that DDP's average over ranks is the global token-weighted mean."""
+    def test():
+        g = torch.Generator().manual_seed(0)
+        for world in (2, 3, 4, 8):
+            counts = torch.randint(0, 60, (world,), generator=g)
+            counts[0] += 1
+            sums = torch.rand(world, generator=g) * counts
+            n_global = int(counts.sum())
+            ddp_average = sum(float(fn(float(s), n_global, world)) for s in sums) / world
+            assert _close(ddp_average, float(sums.sum()) / n_global, 1e-5), \
+                f"with {world} ranks DDP's average of your losses is not the global mean token loss."
+    return verdict("09.1", "DDP divides the sum of the rank gradients by world; divide by the global token count "
+                   "and undo that average.", test, fn)
+
+
+def check_09_idle_ranks(fn: Callable) -> None:
+    """Exercise 09.2: how many ranks get no micro-batch when a step's micro-batches are dealt by tokens."""
+    from minimind_lib.distributed import assign_to_ranks
+
+    def test():
+        for costs, ranks in (([1, 1, 1], 4), ([5, 3, 2, 2], 2), ([7], 3), ([1, 2, 3, 4, 5], 8)):
+            want = sum(len(s) == 0 for s in assign_to_ranks(costs, ranks))
+            assert fn(costs, ranks) == want, f"{len(costs)} micro-batches on {ranks} ranks: not right."
+    return verdict("09.2", "deal the micro-batches with deal (or D.assign_to_ranks) and count the empty shares.",
+                   test, fn)
+
+
+def check_09_fsdp_state(fn: Callable) -> None:
+    """Exercise 09.3: bytes of weights, gradients and AdamW states that each of `world` FSDP2 ranks holds."""
+    from minimind_lib.memory import estimate_memory
+    from minimind_lib.model import MiniMindConfig
+
+    def test():
+        configs = _configs() + [MiniMindConfig(hidden_size=2048, num_hidden_layers=24, num_attention_heads=16,
+                                               num_key_value_heads=4)]
+        for c in configs:
+            est = estimate_memory(c, 1, 8)
+            for world in (1, 2, 8):
+                want = (est["params_bytes"] + est["grads_bytes"] + est["optimizer_bytes"]) / world
+                got = fn(c, world)
+                assert _close(float(got), want, 1e-9), f"hidden {c.hidden_size}, {world} ranks: {got!r} is not right."
+    return verdict("09.3", "add up the bytes per parameter of fp32 weights, gradients and AdamW's two moments; "
+                   "FSDP2 splits them over the ranks.", test, fn)
+
+
+def check_09_unmatched_broadcasts(n: int | None) -> None:
+    """Exercise 09.4: broadcasts of rank 0 with no partner when rank 0 runs 3 micro-batches and rank 1 runs 1."""
+    def test():
+        assert n == 2, f"{n!r} is not right: count forwards, one broadcast each."
+    return verdict("09.4", "one broadcast per forward on each rank; pair them up in order.", test, n)

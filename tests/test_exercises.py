@@ -1,0 +1,142 @@
+"""The notebooks' exercises: 2-4 per chapter 01-09, each with a check cell, a solution notebook that runs the same
+checks, committed check outputs that never show an answer, and checks that fail on wrong answers
+(notebooks/exercise_checks.py; the solution notebooks themselves are executed by nbval with the chapters)."""
+import re
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+import torch
+
+NB_DIR = Path(__file__).resolve().parents[1] / "notebooks"
+sys.path.insert(0, str(NB_DIR))
+import exercise_checks as ec  # noqa: E402
+
+CHAPTERS = sorted(NB_DIR.glob("0*.ipynb"))
+CHECK_CALL = re.compile(r"\bec\.(check_(\d\d)_\w+)\(")
+HEADING = re.compile(r"^### Exercise (\d+): \S")
+NOT_ATTEMPTED_LINE = re.compile(r"^exercise (\d\d)\.(\d): not attempted yet\. Hint: .+ Worked solution: "
+                                r"notebooks/solutions/\d\d_\w+\.ipynb$")
+
+
+def exercises(nb) -> list[tuple[int, list]]:
+    """(number, code cells up to the next markdown cell) for each "### Exercise k:" heading."""
+    found = []
+    for i, cell in enumerate(nb.cells):
+        m = HEADING.match(cell.source) if cell.cell_type == "markdown" else None
+        if m:
+            code = []
+            for later in nb.cells[i + 1:]:
+                if later.cell_type == "markdown":
+                    break
+                code.append(later)
+            found.append((int(m.group(1)), code))
+    return found
+
+
+def checks_called(nb) -> list[str]:
+    return [m.group(1) for c in nb.cells if c.cell_type == "code" for m in CHECK_CALL.finditer(c.source)]
+
+
+def test_every_chapter_is_found():
+    assert [p.name[:2] for p in CHAPTERS] == [f"{i:02d}" for i in range(10)]
+    assert sorted(ec.CHAPTERS.values()) == [p.stem for p in CHAPTERS]
+
+
+def test_every_check_is_used_once():
+    called = [name for p in CHAPTERS for name in checks_called(nbformat.read(p, as_version=4))]
+    defined = sorted(name for name in vars(ec) if name.startswith("check_"))
+    assert sorted(called) == defined, "each check of exercise_checks.py belongs to exactly one exercise"
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem)
+def test_chapter_exercises_have_a_placeholder_and_a_check(path):
+    nb = nbformat.read(path, as_version=4)
+    found = exercises(nb)
+    low = 1 if path.name.startswith("00") else 2
+    assert low <= len(found) <= 4, f"{path.name}: {len(found)} exercises"
+    assert [k for k, _ in found] == list(range(1, len(found) + 1)), f"{path.name}: exercises numbered 1, 2, ..."
+    for k, code in found:
+        assert len(code) >= 2, f"{path.name} exercise {k}: a cell for the learner's code, then a check cell"
+        *work, check = code
+        calls = CHECK_CALL.findall(check.source)
+        assert len(calls) == 1 and calls[0][1] == path.name[:2], f"{path.name} exercise {k}: one check of this chapter"
+        assert hasattr(ec, calls[0][0]), f"{calls[0][0]} is not in exercise_checks.py"
+        for cell in work:  # the learner's starting point: a placeholder, never the answer
+            assert not CHECK_CALL.search(cell.source)
+            assert "None" in cell.source or "raise NotImplementedError" in cell.source, \
+                f"{path.name} exercise {k}: the learner's cell should hold a placeholder"
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem)
+def test_solution_notebook_runs_the_same_checks(path):
+    solution = NB_DIR / "solutions" / path.name
+    assert solution.is_file(), f"no solution notebook for {path.name}"
+    chapter_nb, solution_nb = nbformat.read(path, as_version=4), nbformat.read(solution, as_version=4)
+    assert checks_called(solution_nb) == checks_called(chapter_nb)
+    assert len(exercises(solution_nb)) == len(exercises(chapter_nb))
+    assert any("ec.STRICT = True" in c.source for c in solution_nb.cells), "a solution notebook must pass its checks"
+    assert f"../{path.name}" in solution_nb.cells[0].source, "the header links back to the chapter"
+    assert solution_nb.metadata.get("kernelspec") == chapter_nb.metadata.get("kernelspec"), \
+        f"{solution.name}: its kernelspec should be its chapter's (copy the chapter's metadata)"
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem)
+def test_committed_check_outputs_show_no_answer(path):
+    """Executed or not, a chapter's check cells show at most the not-attempted line of their own exercise."""
+    nb = nbformat.read(path, as_version=4)
+    for k, code in exercises(nb):
+        for out in code[-1].get("outputs", []):
+            assert out["output_type"] == "stream", f"{path.name} exercise {k}: a check shows only printed lines"
+            for line in out["text"].strip().splitlines():
+                m = NOT_ATTEMPTED_LINE.match(line)
+                assert m and (m.group(1), int(m.group(2))) == (path.name[:2], k), \
+                    f"{path.name} exercise {k}: committed output {line[:80]!r} is not the not-attempted line"
+
+
+def _raises_not_implemented(*args, **kwargs):
+    raise NotImplementedError
+
+
+LIGHT_CASES = {  # check, placeholder, wrong answer, right answer, text the placeholder's output must not show
+    "00.2": (ec.check_00_memory_fraction, None, 0.5, 0.3, "0.3"),
+    "02.3": (ec.check_02_memmap_bytes, _raises_not_implemented, lambda t, n: 2 * t + 8 * n,
+             lambda t, n: 2 * t + 8 * (n + 1) + 128, "128 +"),
+    "03.1": (ec.check_03_block_params, _raises_not_implemented,
+             lambda c: 4 * c.hidden_size ** 2 + 3 * c.hidden_size * c.intermediate_size,
+             lambda c: 2 * c.hidden_size ** 2 + 2 * c.hidden_size * c.num_key_value_heads * c.head_dim
+             + 3 * c.hidden_size * c.intermediate_size + 2 * c.hidden_size, "2 * c"),
+    "04.2": (ec.check_04_token_weights, _raises_not_implemented, lambda counts, norm: [1 / sum(counts)] * len(counts),
+             lambda counts, norm: ([1 / (len(counts) * n) for n in counts] if norm == "naive"
+                                   else [1 / sum(counts)] * len(counts)), "len(counts)"),
+    "05.1": (ec.check_05_rounding_error, _raises_not_implemented, lambda x, dt: 2.0 ** -8,
+             lambda x, dt: float(((x.to(dt).float() - x).abs() / x.abs()).max()), "2^-9"),
+    "05.3": (ec.check_05_t4, None, ("bf16", False), ("fp16", True), "fp16"),
+    "08.2": (ec.check_08_masked_loss, _raises_not_implemented, lambda logits, labels: logits.mean(),
+             lambda logits, labels: torch.nn.functional.cross_entropy(
+                 logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100),
+             "[:, :-1]"),
+    "09.1": (ec.check_09_rank_loss, _raises_not_implemented, lambda s, n, w: s / n, lambda s, n, w: s / n * w, "* w"),
+    "09.4": (ec.check_09_unmatched_broadcasts, None, 3, 2, "2"),
+}
+
+
+def _call(check, answer):
+    return check(*answer) if isinstance(answer, tuple) else check(answer)
+
+
+@pytest.mark.parametrize("name", sorted(LIGHT_CASES))
+def test_check_says_not_attempted_fails_wrong_and_passes_right(name, capsys, monkeypatch):
+    check, placeholder, wrong, right, secret = LIGHT_CASES[name]
+    _call(check, (placeholder, placeholder) if check is ec.check_05_t4 else placeholder)
+    shown = capsys.readouterr().out
+    assert NOT_ATTEMPTED_LINE.match(shown.strip()) and f"exercise {name}:" in shown
+    assert secret not in shown, "the not-attempted line must not show the answer"
+    with pytest.raises(AssertionError, match=f"exercise {name}: not right yet: .* Hint: "):
+        _call(check, wrong)
+    _call(check, right)
+    assert capsys.readouterr().out.strip() == f"exercise {name}: passed"
+    monkeypatch.setattr(ec, "STRICT", True)  # the solution notebooks: an unattempted exercise fails
+    with pytest.raises(AssertionError, match="not attempted yet"):
+        _call(check, (placeholder, placeholder) if check is ec.check_05_t4 else placeholder)
