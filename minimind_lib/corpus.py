@@ -78,8 +78,7 @@ def validate_record(record: Any, kind: str) -> None:
         _check_text(turn["content"], f"conversations[{t}]['content']", allow_blank=blank_ok)
         check_turn_extras(turn, f"conversations[{t}]")
     if conv[0]["role"] == "system" and not isinstance(tools_of(conv), list):
-        raise ValueError(f"conversations[0]['tools'] must be a list of tool objects (or their JSON), "
-                         f"got {tools_of(conv)!r:.80}")
+        raise ValueError(f"conversations[0]['tools'] must be a list (or its JSON), got {tools_of(conv)!r:.60}")
     if not any(turn["role"] == "assistant" for turn in conv):
         raise ValueError("conversations has no 'assistant' turn, so nothing would be trained")
 
@@ -179,10 +178,9 @@ def assistant_mask(tokenizer, ids: Sequence[int]) -> np.ndarray:
     return mask
 
 
-def tools_of(conversations: list[dict]) -> Any:
+def tools_of(conv: list[dict]) -> Any:
     """The tools a conversation offers: its system turn's "tools" (MiniMind's older name "functions"), parsed if JSON."""
-    first = conversations[0]
-    tools = first.get("tools", first.get("functions")) if first["role"] == "system" else None
+    tools = conv[0].get("tools", conv[0].get("functions")) if conv[0]["role"] == "system" else None
     with contextlib.suppress(json.JSONDecodeError, TypeError):
         tools = json.loads(tools) if isinstance(tools, str) else tools
     return [] if tools is None else tools

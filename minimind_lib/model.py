@@ -104,9 +104,9 @@ YARN_SCALING = dict(factor=16, original_max_position_embeddings=2048, beta_fast=
 
 def precompute_freqs_cis(head_dim: int, end: int, theta: float = 1e6,
                          rope_scaling: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables of shape (end, head_dim): position t, pair i rotates by angle t / theta^(2i/d). With YaRN
-    rope_scaling past the trained length, pairs turning over beta_fast times in it keep their speed, pairs turning
-    under beta_slow times are slowed by `factor`, with a linear ramp between."""
+    """cos and sin tables of shape (end, head_dim): position t, pair i rotates by angle t / theta^(2i/d). YaRN
+    (rope_scaling): pairs turning over beta_fast times in the trained length keep their speed, under beta_slow are
+    slowed `factor` times, a linear ramp between."""
     freqs, scale = 1.0 / (theta ** (torch.arange(0, head_dim, 2)[: head_dim // 2].float() / head_dim)), 1.0
     if rope_scaling is not None and end > (trained := rope_scaling["original_max_position_embeddings"]):
         # pair i turns trained * freqs[i] / (2 pi) times in the trained length: solve "turns = beta" for i

@@ -32,7 +32,7 @@ TOKENIZER_FILE, CONFIG_FILE = "tokenizer.json", "tokenizer_config.json"
 CHAT_TEMPLATE = ("{%- for message in messages %}"
                  "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
                  "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
-# MiniMind-3's system text announcing tools (each tool's JSON goes on its own line between the two halves)
+# MiniMind-3's system text announcing tools: HEAD, one JSON line per tool, TAIL
 TOOLS_HEAD = ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with "
               "function signatures within <tools></tools> XML tags:\n<tools>")
 TOOLS_TAIL = ("\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
@@ -122,46 +122,41 @@ def check_turn_extras(turn: dict, where: str) -> None:
         call = call.get("function", call) if isinstance(call, dict) else call
         if not (isinstance(call, dict) and isinstance(call.get("name"), str)
                 and isinstance(call.get("arguments"), (str, dict))):
-            raise ValueError(f"{where}['tool_calls'][{k}] must be {{'name': str, 'arguments': str or object}}, "
-                             f"got {call!r:.80}")
-
-
-def tool_call_pieces(calls: Sequence[dict], after_content: bool) -> list[tuple[str, bool]]:
-    """MiniMind-3's <tool_call> blocks of an assistant turn as (text, is_content) pieces."""
-    pieces = []
-    for k, call in enumerate(calls):
-        call = call.get("function", call)  # OpenAI nests {"function": {"name", "arguments"}}
-        args = call["arguments"]
-        args = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
-        pieces += [("\n" if k or after_content else "", False), ('<tool_call>\n{"name": "', False),
-                   (call["name"], True), ('", "arguments": ', False), (args, True), ("}\n</tool_call>", False)]
-    return pieces
+            raise ValueError(f"{where}['tool_calls'][{k}] must be {{'name': str, 'arguments': str or object}}")
 
 
 def chat_pieces(messages: Sequence[dict], tools: Sequence[dict] | None = None, add_generation_prompt: bool = False,
                 think: bool = False) -> list[tuple[str, bool]]:
     """The chat template as (text, is_content) pieces: ChatML, plus MiniMind-3's tools block, tool turns (inside a user
-    turn) and <think> blocks (on every assistant turn when think, else only where reasoning_content is given)."""
-    out, first_system = [], bool(messages) and messages[0]["role"] == "system"
-    turn = lambda role, *body: out.extend([(f"{IM_START}{role}\n", False), *body, (f"{IM_END}\n", False)])
+    turn), <tool_call>s and <think> blocks (on every assistant turn when think, else only where reasoning is given)."""
+    out = []
     if tools:  # the first system message, if any, goes inside the tools block
+        first_system = bool(messages) and messages[0]["role"] == "system"
+        system = [(messages[0]["content"], True), ("\n\n", False)] if first_system else []
         lines = "".join("\n" + json.dumps(t, ensure_ascii=False) for t in tools)
-        turn("system", *([(messages[0]["content"], True), ("\n\n", False)] if first_system else []),
-             (TOOLS_HEAD, False), (lines, True), (TOOLS_TAIL, False))
+        out += [(f"{IM_START}system\n", False), *system, (TOOLS_HEAD, False), (lines, True),
+                (TOOLS_TAIL + IM_END + "\n", False)]
+        messages = messages[first_system:]
+    n = len(messages)
     for i, m in enumerate(messages):
-        role, content = m["role"], m["content"]
+        role, content, reasoning = m["role"], m["content"], m.get("reasoning_content")
         if role == "tool":  # consecutive tool results share one user turn
             out += [(f"{IM_START}user", False)] * (i == 0 or messages[i - 1]["role"] != "tool")
             out += [("\n<tool_response>\n", False), (content, True), ("\n</tool_response>", False)]
-            out += [(f"{IM_END}\n", False)] * (i == len(messages) - 1 or messages[i + 1]["role"] != "tool")
-        elif role == "assistant":
-            reasoning = m.get("reasoning_content")
-            thought = [("<think>\n", False), ((reasoning or "").strip("\n"), True), ("\n</think>\n\n", False)]
-            content = content.lstrip("\n") if think or reasoning else content
-            turn(role, *(thought if think or reasoning else []), (content, True),
-                 *tool_call_pieces(m.get("tool_calls") or [], bool(content)))
-        elif not (role == "system" and i == 0 and tools):
-            turn(role, (content, True))
+            out += [(f"{IM_END}\n", False)] * (i == n - 1 or messages[i + 1]["role"] != "tool")
+            continue
+        out.append((f"{IM_START}{role}\n", False))
+        if role == "assistant" and (think or reasoning):
+            out += [("<think>\n", False), ((reasoning or "").strip("\n"), True), ("\n</think>\n\n", False)]
+            content = content.lstrip("\n")
+        out.append((content, True))
+        for k, call in enumerate(m.get("tool_calls") or []):
+            call = call.get("function", call)  # OpenAI nests {"function": {"name", "arguments"}}
+            args = call["arguments"]
+            args = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+            out += [("\n" if k or content else "", False), ('<tool_call>\n{"name": "', False), (call["name"], True),
+                    ('", "arguments": ', False), (args, True), ("}\n</tool_call>", False)]
+        out.append((f"{IM_END}\n", False))
     return out + ([(f"{IM_START}assistant\n" + ("<think>\n\n</think>\n\n" if think else ""), False)]
                   if add_generation_prompt else [])
 
@@ -182,8 +177,7 @@ def train_bpe(texts: Iterable[str], vocab_size: int = DEFAULT_VOCAB_SIZE,
     if got != vocab_size:
         raise ValueError(f"the corpus is too small for vocab_size={vocab_size}: BPE ran out of pairs to "
                          f"merge at {got} tokens; give it more text or ask for vocab_size<={got}")
-    for i, name in enumerate(SPECIAL_TOKENS):  # MiniMind's train_tokenizer.py asserts the same
-        assert hf.token_to_id(name) == i, (name, hf.token_to_id(name))
+    assert [hf.token_to_id(name) for name in SPECIAL_TOKENS] == [0, 1, 2]  # MiniMind's train_tokenizer.py asserts it
     return hf
 
 
@@ -312,10 +306,8 @@ class Tokenizer:
         return self._chat_ids(pieces) if tokenize else "".join(text for text, _ in pieces)
 
     def _chat_ids(self, pieces: list[tuple[str, bool]]) -> list[int]:
-        """Ids of the template's pieces: its special markers are special ids, all else (content above all) plain text,
-        so a marker typed inside content stays text; text between markers is encoded in one go, as in the string."""
-        ids: list[int] = []
-        text = ""
+        """Ids of the pieces: markers are special ids, the text between them (content: always text) encoded at once."""
+        ids, text = [], ""
         for piece, is_content in pieces:
             for j, part in enumerate([piece] if is_content else self._special_re.split(piece)):
                 if j % 2:  # a special marker: flush the text before it
