@@ -267,3 +267,35 @@ def test_tools_given_as_json_text_are_read(tok):
     conv = [dict(TOOL_CONV[0], tools=json.dumps(TOOLS)), *TOOL_CONV[1:]]
     assert C.tools_of(conv) == TOOLS
     assert C.encode_sft(tok, conv)[0].tolist() == C.encode_sft(tok, TOOL_CONV)[0].tolist()
+
+
+# ------------------------------------------------------------------ the bundled t2t examples
+DATA = Path(__file__).resolve().parents[1] / "data"
+
+
+def test_bundled_t2t_files_are_what_the_builder_writes(tmp_path):
+    from test_data_files import bc  # data/build_corpus.py, loaded once
+    bc.main(["--t2t-only", "--out-dir", str(tmp_path)])
+    for name in ("pretrain_t2t_mini.jsonl", "sft_t2t_mini.jsonl"):
+        assert (tmp_path / name).read_bytes() == (DATA / name).read_bytes(), f"{name} is not what build_corpus.py writes"
+
+
+def test_bundled_t2t_files_read_and_train_only_assistant_turns(tok):
+    pre = D.PretrainDataset(DATA / "pretrain_t2t_mini.jsonl", tok, seq_len=256)
+    assert len(pre) == 40 and pre.stats.n_skipped == 0
+    records = [json.loads(line) for line in (DATA / "sft_t2t_mini.jsonl").read_text(encoding="utf-8").splitlines()]
+    kinds = [("tool" if any(t["role"] == "tool" for t in r["conversations"]) else
+              "think" if "reasoning_content" in r["conversations"][-1] else "plain") for r in records]
+    assert {k: kinds.count(k) for k in set(kinds)} == {"tool": 20, "think": 20, "plain": 20}
+    ds = D.SFTDataset(DATA / "sft_t2t_mini.jsonl", tok, seq_len=1024)
+    assert ds.stats.n_truncated == 0 and ds.stats.n_no_target == 0
+    for i, record in enumerate(records):
+        sample = ds[i]
+        trained = tok.decode(sample["input_ids"][sample["labels"] != D.IGNORE_INDEX].tolist())
+        final = record["conversations"][-1]["content"]
+        assert trained.endswith(final + "<|im_end|>")  # the answer is trained ...
+        assert record["conversations"][-2]["content"] not in trained  # ... the question or tool result is not
+        for turn in record["conversations"]:  # every number in an answer is right (the files hold computed answers)
+            if turn["role"] == "assistant" and turn["content"]:
+                a, sign, b, _, c = turn["content"].rstrip(".。").split()
+                assert int(c) == (int(a) + int(b) if sign == "+" else int(a) * int(b))
