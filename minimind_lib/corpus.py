@@ -187,8 +187,7 @@ def tools_of(conv: list[dict]) -> Any:
 
 
 def encode_sft(tokenizer, conversations: list[dict]) -> tuple[np.ndarray, np.ndarray]:
-    """An SFT sample: the chat template's token ids (int64) and its assistant mask (uint8), untruncated; MiniMind-3's
-    tool turns, tool_calls and reasoning_content are rendered (tool results sit in user turns, so are not trained)."""
+    """An SFT sample: the chat template's ids (int64) and assistant mask (uint8), untruncated; tool results untrained."""
     keep = ("role", "content", "reasoning_content", "tool_calls")
     messages = [{k: t[k] for k in keep if t.get(k) is not None} for t in conversations]
     kwargs = {"tools": tools} if (tools := tools_of(conversations)) else {}  # a tokenizer without tools still works

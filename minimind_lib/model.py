@@ -83,6 +83,8 @@ PRESETS: dict[str, dict] = {
     "smoke": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   max_position_embeddings=2048),
 }
+# MiniMind-3's inference_rope_scaling: YaRN stretching a 2048-token training length 16 times (to 32768).
+YARN_SCALING = dict(factor=16, original_max_position_embeddings=2048, beta_fast=32, beta_slow=1, attention_factor=1.0)
 
 
 # ---- Building blocks
@@ -96,10 +98,6 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x)
-
-
-# MiniMind-3's inference_rope_scaling: YaRN stretching a 2048-token training length 16 times (to 32768).
-YARN_SCALING = dict(factor=16, original_max_position_embeddings=2048, beta_fast=32, beta_slow=1, attention_factor=1.0)
 
 
 def precompute_freqs_cis(head_dim: int, end: int, theta: float = 1e6,

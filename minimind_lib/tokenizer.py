@@ -1,9 +1,9 @@
 """The course's tokenizer, built in notebook 01_tokenizer: MiniMind's 6400-token byte-level BPE, with `tokenizers`.
 
 Trained and saved as MiniMind's scripts/train_tokenizer.py does (ByteLevel; ids 0, 1, 2 = <|endoftext|>, <|im_start|>,
-<|im_end|>), so `load_tokenizer(minimind_repo / "model")` loads MiniMind's own. `encode` reads a typed "<|im_end|>"
-as id 2, like `transformers`; allow_special=False and chat content keep it text (typed markers cannot end a turn).
-A MiniMind-3 tokenizer directory loads too: its template (``<think>`` blocks, tools, tool turns) is rendered here."""
+<|im_end|>), so `load_tokenizer(minimind_repo / "model")` loads MiniMind's own (MiniMind-3's template too: tools, tool
+turns, <think>). `encode` reads a typed "<|im_end|>" as id 2, like `transformers`; allow_special=False and chat
+content keep it text (typed markers cannot end a turn)."""
 
 from __future__ import annotations
 
@@ -32,12 +32,10 @@ TOKENIZER_FILE, CONFIG_FILE = "tokenizer.json", "tokenizer_config.json"
 CHAT_TEMPLATE = ("{%- for message in messages %}"
                  "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
                  "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
-# MiniMind-3's system text announcing tools: HEAD, one JSON line per tool, TAIL
-TOOLS_HEAD = ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with "
-              "function signatures within <tools></tools> XML tags:\n<tools>")
-TOOLS_TAIL = ("\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
-              "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "
-              "<args-json-object>}\n</tool_call>")
+TOOLS_TURN = ('# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with '
+              'function signatures within <tools></tools> XML tags:\n<tools>{tools}\n</tools>\n\nFor each function '
+              'call, return a json object with function name and arguments within <tool_call></tool_call> XML '
+              'tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
 
 
 def default_config(hf: tokenizers.Tokenizer, model_max_length: int = 32768) -> dict:
@@ -131,19 +129,16 @@ def chat_pieces(messages: Sequence[dict], tools: Sequence[dict] | None = None, a
     turn), <tool_call>s and <think> blocks (on every assistant turn when think, else only where reasoning is given)."""
     out = []
     if tools:  # the first system message, if any, goes inside the tools block
-        first_system = bool(messages) and messages[0]["role"] == "system"
-        system = [(messages[0]["content"], True), ("\n\n", False)] if first_system else []
-        lines = "".join("\n" + json.dumps(t, ensure_ascii=False) for t in tools)
-        out += [(f"{IM_START}system\n", False), *system, (TOOLS_HEAD, False), (lines, True),
-                (TOOLS_TAIL + IM_END + "\n", False)]
-        messages = messages[first_system:]
-    n = len(messages)
+        system = [p for m in messages[:1] if m["role"] == "system" for p in ((m["content"], True), ("\n\n", False))]
+        body = TOOLS_TURN.replace("{tools}", "".join("\n" + json.dumps(t, ensure_ascii=False) for t in tools))
+        out += [(f"{IM_START}system\n", False), *system, (body + f"{IM_END}\n", False)]
+        messages = messages[1:] if system else messages
     for i, m in enumerate(messages):
         role, content, reasoning = m["role"], m["content"], m.get("reasoning_content")
         if role == "tool":  # consecutive tool results share one user turn
             out += [(f"{IM_START}user", False)] * (i == 0 or messages[i - 1]["role"] != "tool")
             out += [("\n<tool_response>\n", False), (content, True), ("\n</tool_response>", False)]
-            out += [(f"{IM_END}\n", False)] * (i == n - 1 or messages[i + 1]["role"] != "tool")
+            out += [(f"{IM_END}\n", False)] * all(nxt["role"] != "tool" for nxt in messages[i + 1:i + 2])
             continue
         out.append((f"{IM_START}{role}\n", False))
         if role == "assistant" and (think or reasoning):
@@ -299,8 +294,7 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = False,
                             tokenize: bool = False, tools: Sequence[dict] | None = None) -> str | list[int]:
-        """ChatML: '<|im_start|>role\\ncontent<|im_end|>\\n' per message (+ '<|im_start|>assistant\\n'); MiniMind-3's
-        tools, tool turns, tool_calls and reasoning_content as chat_pieces renders them."""
+        """ChatML: '<|im_start|>role\\ncontent<|im_end|>\\n' per message, + MiniMind-3's fields (see chat_pieces)."""
         check_messages(messages)
         pieces = chat_pieces(messages, tools, add_generation_prompt, self.think)
         return self._chat_ids(pieces) if tokenize else "".join(text for text, _ in pieces)
