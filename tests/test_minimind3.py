@@ -56,6 +56,18 @@ def test_minimind2_presets_unchanged():
     assert model.config.head_dim == 64 and model.config.to_dict()["qk_norm"] is False
 
 
+def test_configs_written_before_minimind3_still_load():
+    new_fields = ("head_dim", "qk_norm", "inference_rope_scaling")
+    old = {k: v for k, v in MiniMindConfig().to_dict().items() if k not in new_fields}
+    c = MiniMindConfig.from_dict(old)  # a config.json of an earlier run: no MiniMind-3 fields
+    assert (c.head_dim, c.qk_norm, c.inference_rope_scaling) == (64, False, False)
+    mm3 = MiniMindConfig.preset("minimind-3")
+    assert MiniMindConfig.from_dict(mm3.to_dict()) == mm3
+    with pytest.raises(ValueError, match="not divisible by num_attention_heads=7; set head_dim explicitly"):
+        MiniMindConfig(hidden_size=64, num_attention_heads=7, num_key_value_heads=7)
+    assert MiniMindConfig(hidden_size=64, num_attention_heads=7, num_key_value_heads=7, head_dim=8).head_dim == 8
+
+
 def test_strict_load_both_ways(tmp_path):
     """Our state dict has exactly MiniMind-3's keys (so it loads into its code), and one built from the key list alone
     (as MiniMind-3's code would save it) loads into ours with strict=True."""
@@ -76,7 +88,8 @@ def test_strict_load_both_ways(tmp_path):
 # ------------------------------------------------------------------ a reference forward, from the spec
 def reference_logits(sd: dict, c: MiniMindConfig, ids: torch.Tensor) -> torch.Tensor:
     """MiniMind-3's forward written from its description, with other means than the library: RoPE by complex
-    multiplication of the pairs (x[i], x[i + d/2]), GQA by repeat_interleave, attention by an explicit masked softmax."""
+    multiplication of the pairs (x[i], x[i + d/2]), GQA by repeat_interleave, attention by an explicit masked
+    softmax."""
     def rms(x, w, eps):
         return w * (x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps))
 
@@ -157,7 +170,8 @@ def test_yarn_frequencies():
     assert ((ratio >= 1 / factor - 1e-6) & (ratio <= 1 + 1e-6)).all()
     assert (ratio[1:] <= ratio[:-1] + 1e-6).all()  # the ramp only slows down, pair by pair
     assert torch.allclose(cos ** 2 + sin ** 2, torch.ones_like(cos), atol=1e-5)  # attention_factor 1.0
-    long = MiniMindForCausalLM(MiniMindConfig.preset("smoke", inference_rope_scaling=True, max_position_embeddings=4096))
+    long = MiniMindForCausalLM(MiniMindConfig.preset("smoke", inference_rope_scaling=True,
+                                                     max_position_embeddings=4096))
     assert torch.equal(long.model.freqs_cos, precompute_freqs_cis(16, 4096, 1e6, YARN_SCALING)[0])
 
 
@@ -199,8 +213,8 @@ def test_tool_conversation_renders_minimind3_layout(tok, tmp_path):
     tools_json = json.dumps(TOOLS[0], ensure_ascii=False)
     assert text.startswith("<|im_start|>system\nYou can use tools.\n\n# Tools\n\n")
     assert f"<tools>\n{tools_json}\n</tools>" in text and text.count("<|im_start|>system") == 1
-    assert ('<|im_start|>assistant\n<think>\n\n</think>\n\n<tool_call>\n{"name": "add", "arguments": {"a": 17, "b": 25}}'
-            '\n</tool_call><|im_end|>\n') in text
+    assert ('<|im_start|>assistant\n<think>\n\n</think>\n\n<tool_call>\n'
+            '{"name": "add", "arguments": {"a": 17, "b": 25}}\n</tool_call><|im_end|>\n') in text
     assert "<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n" in text
     assert text.endswith("<|im_start|>assistant\n<think>\nThe tool returned 42.\n</think>\n\n17 + 25 = 42.<|im_end|>\n")
     ids = tok3.apply_chat_template(msgs, tools=TOOLS, tokenize=True)
@@ -253,7 +267,8 @@ def test_tool_role_sft_line_trains_with_its_mask(tok, tmp_path):
       {"role": "assistant", "content": "a"}], r"conversations\[0\]\['tools'\] must be a list"),
     ([{"role": "function", "content": "42"}, {"role": "assistant", "content": "a"}],
      r"conversations\[0\]\['role'\] = 'function' is not one of"),
-    ([{"role": "user", "content": "q"}, {"role": "assistant", "content": ""}], r"conversations\[1\]\['content'\] is empty"),
+    ([{"role": "user", "content": "q"}, {"role": "assistant", "content": ""}],
+     r"conversations\[1\]\['content'\] is empty"),
 ])
 def test_bad_t2t_lines_name_file_and_line(tok, tmp_path, turns, match):
     path = tmp_path / "sft_t2t.jsonl"
@@ -277,7 +292,7 @@ def test_bundled_t2t_files_are_what_the_builder_writes(tmp_path):
     from test_data_files import bc  # data/build_corpus.py, loaded once
     bc.main(["--t2t-only", "--out-dir", str(tmp_path)])
     for name in ("pretrain_t2t_mini.jsonl", "sft_t2t_mini.jsonl"):
-        assert (tmp_path / name).read_bytes() == (DATA / name).read_bytes(), f"{name} is not what build_corpus.py writes"
+        assert (tmp_path / name).read_bytes() == (DATA / name).read_bytes(), f"{name} differs from build_corpus.py's"
 
 
 def test_bundled_t2t_files_read_and_train_only_assistant_turns(tok):
