@@ -314,3 +314,12 @@ def test_bundled_t2t_files_read_and_train_only_assistant_turns(tok):
             if turn["role"] == "assistant" and turn["content"]:
                 a, sign, b, _, c = turn["content"].rstrip(".。").split()
                 assert int(c) == (int(a) + int(b) if sign == "+" else int(a) * int(b))
+
+
+def test_memory_estimate_covers_qk_norm_and_head_dim():
+    from minimind_lib.memory import estimate_memory, measure_step_memory
+    c = MiniMindConfig.preset("smoke", qk_norm=True, head_dim=24, num_key_value_heads=4, max_position_embeddings=256)
+    for amp in ("off", "bf16"):
+        est, got = estimate_memory(c, 2, 64, amp=amp), measure_step_memory(c, 2, 64, amp=amp)
+        assert est["n_params"] == got["n_params"] == count_parameters(MiniMindForCausalLM(c))["total"]
+        assert abs(est["peak_bytes"] / got["peak_bytes"] - 1) < 0.05, (amp, est["peak_bytes"], got["peak_bytes"])
