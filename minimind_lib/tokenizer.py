@@ -141,10 +141,9 @@ def chat_pieces(messages: Sequence[dict], tools: Sequence[dict] | None = None, a
             out += [(f"{IM_END}\n", False)] * all(nxt["role"] != "tool" for nxt in messages[i + 1:i + 2])
             continue
         out.append((f"{IM_START}{role}\n", False))
-        if role == "assistant" and (think or reasoning):
-            out += [("<think>\n", False), ((reasoning or "").strip("\n"), True), ("\n</think>\n\n", False)]
-            content = content.lstrip("\n")
-        out.append((content, True))
+        thinks = role == "assistant" and bool(think or reasoning)
+        out += [("<think>\n", False), ((reasoning or "").strip("\n"), True), ("\n</think>\n\n", False)] * thinks
+        out.append((content.lstrip("\n") if thinks else content, True))
         for k, call in enumerate(m.get("tool_calls") or []):
             call = call.get("function", call)  # OpenAI nests {"function": {"name", "arguments"}}
             args = call["arguments"]
@@ -212,7 +211,8 @@ class Tokenizer:
         self.endoftext_id, self.im_start_id, self.im_end_id = (ids[name] for name in SPECIAL_TOKENS)
         self.chat_template: str = self.config.get("chat_template", CHAT_TEMPLATE)
         self.think = "<think>" in self.chat_template  # MiniMind-3's template: every assistant turn has a <think> block
-        specials = sorted((t.content for t in hf.get_added_tokens_decoder().values() if t.special), key=len)[::-1]
+        added = {t.content for t in hf.get_added_tokens_decoder().values()} | set(SPECIAL_TOKENS)
+        specials = sorted(added, key=len, reverse=True)  # longest first: a marker never matches inside a longer one
         self._special_re = re.compile("(" + "|".join(map(re.escape, specials)) + ")")  # splits the template's markers
         # A twin that encodes special-token strings as plain text (chat content): no shared flag to switch, no race
         self._plain = tokenizers.Tokenizer.from_str(hf.to_str())
