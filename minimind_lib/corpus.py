@@ -190,9 +190,9 @@ def encode_sft(tokenizer, conversations: list[dict]) -> tuple[np.ndarray, np.nda
     """An SFT sample: the chat template's ids (int64) and assistant mask (uint8), untruncated; tool results untrained."""
     keep = ("role", "content", "reasoning_content", "tool_calls")
     messages = [{k: t[k] for k in keep if t.get(k) is not None} for t in conversations]
-    kwargs = {"tools": tools} if (tools := tools_of(conversations)) else {}  # a tokenizer without tools still works
+    tools = tools_of(conversations) or None
     # tokenize=True: the template's structure comes from ids, so "<|im_end|>" typed inside content stays text
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=False, tokenize=True, **kwargs)
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=False, tokenize=True, tools=tools)
     if isinstance(ids, str):  # a tokenizer whose template only renders text
         ids = tokenizer.encode(ids, add_special_tokens=False)
     ids = np.asarray(ids, dtype=np.int64)

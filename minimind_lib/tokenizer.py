@@ -142,12 +142,13 @@ def chat_pieces(messages: Sequence[dict], tools: Sequence[dict] | None = None, a
             continue
         out.append((f"{IM_START}{role}\n", False))
         thinks = role == "assistant" and bool(think or reasoning)
+        if thinks and reasoning is None and "</think>" in content:  # inline thoughts, as MiniMind-3 reads them
+            reasoning, content = content.split("</think>")[0].split("<think>")[-1], content.split("</think>")[-1]
         out += [("<think>\n", False), ((reasoning or "").strip("\n"), True), ("\n</think>\n\n", False)] * thinks
         out.append((content.lstrip("\n") if thinks else content, True))
         for k, call in enumerate(m.get("tool_calls") or []):
             call = call.get("function", call)  # OpenAI nests {"function": {"name", "arguments"}}
-            args = call["arguments"]
-            args = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+            args = a if isinstance(a := call["arguments"], str) else json.dumps(a, ensure_ascii=False)
             out += [("\n" if k or content else "", False), ('<tool_call>\n{"name": "', False), (call["name"], True),
                     ('", "arguments": ', False), (args, True), ("}\n</tool_call>", False)]
         out.append((f"{IM_END}\n", False))
@@ -211,9 +212,8 @@ class Tokenizer:
         self.endoftext_id, self.im_start_id, self.im_end_id = (ids[name] for name in SPECIAL_TOKENS)
         self.chat_template: str = self.config.get("chat_template", CHAT_TEMPLATE)
         self.think = "<think>" in self.chat_template  # MiniMind-3's template: every assistant turn has a <think> block
-        added = {t.content for t in hf.get_added_tokens_decoder().values()} | set(SPECIAL_TOKENS)
-        specials = sorted(added, key=len, reverse=True)  # longest first: a marker never matches inside a longer one
-        self._special_re = re.compile("(" + "|".join(map(re.escape, specials)) + ")")  # splits the template's markers
+        markers = {t.content for t in hf.get_added_tokens_decoder().values()} | set(SPECIAL_TOKENS)
+        self._special_re = re.compile(f"({'|'.join(map(re.escape, sorted(markers, key=len, reverse=True)))})")
         # A twin that encodes special-token strings as plain text (chat content): no shared flag to switch, no race
         self._plain = tokenizers.Tokenizer.from_str(hf.to_str())
         self._plain.encode_special_tokens = True

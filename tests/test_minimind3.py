@@ -224,6 +224,8 @@ def test_tool_conversation_renders_minimind3_layout(tok, tmp_path):
     assert tok3.token_to_id("<think>") not in typed  # ... but a typed marker in content stays text
     assert tok3.apply_chat_template(msgs[:2], add_generation_prompt=True).endswith(
         "<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    inline = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "<think>\nstep\n</think>\n\nA."}]
+    assert tok3.apply_chat_template(inline).endswith("<|im_start|>assistant\n<think>\nstep\n</think>\n\nA.<|im_end|>\n")
     # the course's tokenizer keeps plain ChatML for plain turns: no <think> block unless reasoning is given
     plain = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
     assert tok.apply_chat_template(plain) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nyo<|im_end|>\n"
