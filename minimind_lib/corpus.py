@@ -12,6 +12,7 @@ import json
 import multiprocessing
 import os
 import time
+import unittest.mock
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +23,7 @@ import torch
 from tqdm import tqdm  # a text bar: an executed notebook keeps its final state, not a widget's first
 
 from .fileio import atomic_open, atomic_write_text
-from .tokenizer import ROLES, check_text
+from .tokenizer import ROLES, check_text, check_turn_extras
 
 KINDS = ("pretrain", "sft")
 PAYLOAD = {"pretrain": "text", "sft": "conversations"}  # the key of a record that holds its sample
@@ -73,7 +74,11 @@ def validate_record(record: Any, kind: str) -> None:
             raise ValueError(f"conversations[{t}]['role'] = {turn['role']!r} is not one of {list(ROLES)}")
         if turn["role"] == "system" and t != 0:
             raise ValueError(f"conversations[{t}] is a 'system' turn; only the first turn may be one")
-        _check_text(turn["content"], f"conversations[{t}]['content']", allow_blank=turn["role"] != "assistant")
+        blank_ok = turn["role"] != "assistant" or bool(turn.get("tool_calls"))  # a turn may only call tools
+        _check_text(turn["content"], f"conversations[{t}]['content']", allow_blank=blank_ok)
+        check_turn_extras(turn, f"conversations[{t}]")
+    if conv[0]["role"] == "system" and not isinstance(tools_of(conv), list):
+        raise ValueError(f"conversations[0]['tools'] must be a list (or its JSON), got {tools_of(conv)!r:.60}")
     if not any(turn["role"] == "assistant" for turn in conv):
         raise ValueError("conversations has no 'assistant' turn, so nothing would be trained")
 
@@ -173,11 +178,21 @@ def assistant_mask(tokenizer, ids: Sequence[int]) -> np.ndarray:
     return mask
 
 
+def tools_of(conv: list[dict]) -> Any:
+    """The tools a conversation offers: its system turn's "tools" (MiniMind's older name "functions"), parsed if JSON."""
+    tools = conv[0].get("tools", conv[0].get("functions")) if conv[0]["role"] == "system" else None
+    with contextlib.suppress(json.JSONDecodeError, TypeError):
+        tools = json.loads(tools) if isinstance(tools, str) else tools
+    return [] if tools is None else tools
+
+
 def encode_sft(tokenizer, conversations: list[dict]) -> tuple[np.ndarray, np.ndarray]:
-    """An SFT sample: the chat template's token ids (int64) and its assistant mask (uint8), untruncated."""
-    messages = [{"role": t["role"], "content": t["content"]} for t in conversations]
+    """An SFT sample: the chat template's ids (int64) and assistant mask (uint8), untruncated; tool results untrained."""
+    keep = ("role", "content", "reasoning_content", "tool_calls")
+    messages = [{k: t[k] for k in keep if t.get(k) is not None} for t in conversations]
+    tools = tools_of(conversations) or None
     # tokenize=True: the template's structure comes from ids, so "<|im_end|>" typed inside content stays text
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=False, tokenize=True)
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=False, tokenize=True, tools=tools)
     if isinstance(ids, str):  # a tokenizer whose template only renders text
         ids = tokenizer.encode(ids, add_special_tokens=False)
     ids = np.asarray(ids, dtype=np.int64)
@@ -206,17 +221,9 @@ def tokenize_samples(kind: str, payloads: list, tokenizer=None) -> tuple[np.ndar
     return flat, lengths, (np.concatenate([np.zeros(0, np.uint8), *masks]) if kind == "sft" else None)
 
 
-@contextlib.contextmanager
-def tokenizers_parallelism_off() -> Iterator[None]:
+def tokenizers_parallelism_off() -> contextlib.AbstractContextManager:
     """Set TOKENIZERS_PARALLELISM=false while processes fork (HF tokenizers would warn and could deadlock)."""
-    old = os.environ.get("TOKENIZERS_PARALLELISM")
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    try:
-        yield
-    finally:
-        os.environ.pop("TOKENIZERS_PARALLELISM", None)
-        if old is not None:
-            os.environ["TOKENIZERS_PARALLELISM"] = old
+    return unittest.mock.patch.dict(os.environ, {"TOKENIZERS_PARALLELISM": "false"})  # restored on exit
 
 
 def tokenize_reader(reader: JsonlReader, tokenizer, chunk_size: int, num_workers: int) -> Iterator[tuple]:

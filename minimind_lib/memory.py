@@ -180,14 +180,16 @@ def estimate_memory(config, batch_size: int, seq_len: int, amp: str = "off", opt
     _check_step_args(batch_size, seq_len, amp, optimizer)
     c, n, s = config, batch_size * seq_len, _AMP_BYTES[amp]
     C, F, V, L, kv = c.hidden_size, c.intermediate_size, c.vocab_size, c.num_hidden_layers, c.num_key_value_heads * c.head_dim
-    # tied embedding / lm_head + per layer q,o + k,v + gate,up,down + 2 norms + the final norm
-    P = V * C + L * (2 * C * C + 2 * C * kv + 3 * C * F + 2 * C) + C
+    q, qk = c.num_attention_heads * c.head_dim, 2 * c.head_dim if c.qk_norm else 0  # MiniMind-3: q/k norm gains
+    # tied embedding / lm_head + per layer q,o + k,v + gate,up,down + 2 norms (+ q/k norms) + the final norm
+    P = V * C + L * (2 * C * q + 2 * C * kv + 3 * C * F + 2 * C + qk) + C
     params, grads, opt_states = 4 * P, 4 * P, _OPTIMIZERS[optimizer][0] * 4 * P
     buffers = 2 * c.max_position_embeddings * c.head_dim * 4
     amp_weight_copies = 0 if amp == "off" else 2 * P
     kv_saved = 2 * n * (C if c.num_attention_heads != c.num_key_value_heads else kv)
     norm_saved = n * C * (4 + 4 + s)  # input, normalised input (fp32), output as the next matmul's input
-    activations = L * (2 * norm_saved + (2 * n * C + kv_saved + 4 * n * F) * s) + norm_saved
+    qk_saved = n * (q + kv) * (4 + 4) if c.qk_norm else 0  # each q/k norm saves its input and normalised input
+    activations = L * (2 * norm_saved + qk_saved + (2 * n * C + kv_saved + 4 * n * F) * s) + norm_saved
     head = n * V * s + n * V * 4 + 2 * n * V * 4
     backward_start = params + buffers + opt_states + amp_weight_copies + activations + head
     return {"params_bytes": params, "buffers_bytes": buffers, "grads_bytes": grads, "optimizer_bytes": opt_states,

@@ -1,7 +1,7 @@
-"""The MiniMind2 language model, built piece by piece in notebook 03_model: RMSNorm, RoPE, GQA, SwiGLU, checkpoints.
+"""The MiniMind language model, built piece by piece in notebook 03_model: RMSNorm, RoPE, GQA, SwiGLU, checkpoints.
 
-Read it top to bottom, like nanoGPT. Architecture and parameter names are exactly MiniMind2's (see DESIGN.md):
-a MiniMind ``.pth`` state dict loads with ``strict=True`` and gives the same logits as MiniMind's own code.
+Read it top to bottom, like nanoGPT. Architecture and parameter names are exactly MiniMind2's (see DESIGN.md) and,
+with qk_norm (preset "minimind-3"), MiniMind-3's: a MiniMind ``.pth`` state dict loads with ``strict=True``.
 
     x -> embed_tokens -> [ x + attn(norm(x)); x + mlp(norm(x)) ] * L -> norm -> lm_head (tied to embed_tokens)"""
 
@@ -34,6 +34,9 @@ class MiniMindConfig:
     rms_norm_eps: float = 1e-5
     max_position_embeddings: int = 32768
     dropout: float = 0.0
+    head_dim: int | None = None  # None: hidden_size // num_attention_heads (MiniMind-3 may set it apart)
+    qk_norm: bool = False  # MiniMind-3: a per-head RMSNorm on queries and keys, before RoPE
+    inference_rope_scaling: bool = False  # MiniMind-3's YaRN (YARN_SCALING), to run past the trained length
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size",
@@ -42,22 +45,20 @@ class MiniMindConfig:
                 raise ValueError(f"MiniMindConfig.{name}={getattr(self, name)!r}: must be a positive integer")
         if self.intermediate_size is None:
             self.intermediate_size = 64 * math.ceil(int(self.hidden_size * 8 / 3) / 64)
-        if self.hidden_size % self.num_attention_heads != 0:
+        if self.head_dim is None and self.hidden_size % self.num_attention_heads != 0:
             raise ValueError(f"hidden_size={self.hidden_size} is not divisible by "
-                             f"num_attention_heads={self.num_attention_heads}")
+                             f"num_attention_heads={self.num_attention_heads}; set head_dim explicitly")
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
         if self.num_attention_heads % self.num_key_value_heads != 0:
             raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple of num_key_value_heads="
                              f"{self.num_key_value_heads} (grouped-query attention needs whole groups)")
         if self.head_dim % 2 != 0:
             raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
 
-    @property
-    def head_dim(self) -> int:  # width of one attention head
-        return self.hidden_size // self.num_attention_heads
-
     @classmethod
     def preset(cls, name: str, **overrides) -> "MiniMindConfig":
-        """A named configuration: 'minimind2-small', 'cpu' or 'smoke' (plus optional field overrides)."""
+        """A named configuration: 'minimind2-small', 'minimind-3', 'cpu' or 'smoke' (plus optional field overrides)."""
         if name not in PRESETS:
             raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}")
         return cls(**{**PRESETS[name], **overrides})
@@ -76,6 +77,9 @@ class MiniMindConfig:
 
 PRESETS: dict[str, dict] = {
     "minimind2-small": dict(),  # MiniMind2-small exactly (head_dim 64, FFN 1408): 25,829,888 parameters.
+    # MiniMind-3 dense exactly: head_dim 96, 4 kv heads, FFN 64 * ceil(768 * pi / 64) = 2432; 63,912,192 parameters.
+    "minimind-3": dict(hidden_size=768, num_key_value_heads=4, intermediate_size=64 * math.ceil(768 * math.pi / 64),
+                       rms_norm_eps=1e-6, qk_norm=True),
     # Trains visibly in minutes on a laptop CPU; keeps MiniMind's head_dim 64 and 4:1 query:kv head ratio.
     "cpu": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=1,
                 max_position_embeddings=2048),
@@ -83,6 +87,8 @@ PRESETS: dict[str, dict] = {
     "smoke": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   max_position_embeddings=2048),
 }
+# MiniMind-3's inference_rope_scaling: YaRN stretching a 2048-token training length 16 times (to 32768).
+YARN_SCALING = dict(factor=16, original_max_position_embeddings=2048, beta_fast=32, beta_slow=1, attention_factor=1.0)
 
 
 # ---- Building blocks
@@ -98,12 +104,23 @@ class RMSNorm(nn.Module):
         return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x)
 
 
-def precompute_freqs_cis(head_dim: int, end: int, theta: float = 1e6) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables of shape (end, head_dim): position t, pair i rotates by angle t / theta^(2i/d)."""
-    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2)[: head_dim // 2].float() / head_dim))
+def precompute_freqs_cis(head_dim: int, end: int, theta: float = 1e6,
+                         rope_scaling: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables of shape (end, head_dim): position t, pair i rotates by angle t / theta^(2i/d). YaRN
+    (rope_scaling): pairs turning over beta_fast times in the trained length keep their speed, under beta_slow are
+    slowed `factor` times, a linear ramp between."""
+    freqs, scale = 1.0 / (theta ** (torch.arange(0, head_dim, 2)[: head_dim // 2].float() / head_dim)), 1.0
+    if rope_scaling is not None and end > (trained := rope_scaling["original_max_position_embeddings"]):
+        # pair i turns trained * freqs[i] / (2 pi) times in the trained length: solve "turns = beta" for i
+        pair_at = lambda beta: head_dim * math.log(trained / (beta * 2 * math.pi)) / (2 * math.log(theta))
+        low = max(math.floor(pair_at(rope_scaling["beta_fast"])), 0)
+        high = min(math.ceil(pair_at(rope_scaling["beta_slow"])), head_dim // 2 - 1)
+        ramp = ((torch.arange(head_dim // 2).float() - low) / max(high - low, 1e-3)).clamp(0, 1)
+        freqs, scale = freqs * (1 - ramp + ramp / rope_scaling["factor"]), rope_scaling["attention_factor"]
     angles = torch.outer(torch.arange(end).float(), freqs)  # (end, head_dim/2)
     # MiniMind's "rotate half" layout: both halves of the head use the same frequencies.
-    return torch.cat([angles.cos(), angles.cos()], dim=-1), torch.cat([angles.sin(), angles.sin()], dim=-1)
+    cos, sin = torch.cat([angles.cos(), angles.cos()], dim=-1), torch.cat([angles.sin(), angles.sin()], dim=-1)
+    return cos * scale, sin * scale
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -175,6 +192,9 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(config.hidden_size, self.n_kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(config.hidden_size, self.n_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, config.hidden_size, bias=False)
+        if config.qk_norm:  # only then: MiniMind2's checkpoints have no such keys
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.dropout = config.dropout
         self.resid_dropout = nn.Dropout(config.dropout)
 
@@ -184,6 +204,8 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim)
         k = self.k_proj(x).view(b, t, self.n_kv_heads, self.head_dim)
         v = self.v_proj(x).view(b, t, self.n_kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):  # each head's q and k get unit RMS: their dot products stay bounded
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)  # before the transpose, as in MiniMind
         if past_key_value is not None:
             k, v = torch.cat([past_key_value[0], k], dim=1), torch.cat([past_key_value[1], v], dim=1)
@@ -234,7 +256,8 @@ class MiniMindModel(nn.Module):
         self.dropout = nn.Dropout(config.dropout)
         self.layers = nn.ModuleList([MiniMindBlock(config) for _ in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        cos, sin = precompute_freqs_cis(config.head_dim, config.max_position_embeddings, config.rope_theta)
+        cos, sin = precompute_freqs_cis(config.head_dim, config.max_position_embeddings, config.rope_theta,
+                                        YARN_SCALING if config.inference_rope_scaling else None)
         self.register_buffer("freqs_cos", cos, persistent=False)  # not persistent: not in MiniMind's checkpoints
         self.register_buffer("freqs_sin", sin, persistent=False)
 

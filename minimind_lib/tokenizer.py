@@ -1,13 +1,15 @@
 """The course's tokenizer, built in notebook 01_tokenizer: MiniMind's 6400-token byte-level BPE, with `tokenizers`.
 
 Trained and saved as MiniMind's scripts/train_tokenizer.py does (ByteLevel; ids 0, 1, 2 = <|endoftext|>, <|im_start|>,
-<|im_end|>), so `load_tokenizer(minimind_repo / "model")` loads MiniMind's own. `encode` reads a typed "<|im_end|>"
-as id 2, like `transformers`; allow_special=False and chat content keep it text (typed markers cannot end a turn)."""
+<|im_end|>), so `load_tokenizer(minimind_repo / "model")` loads MiniMind's own (MiniMind-3's template too: tools, tool
+turns, <think>). `encode` reads a typed "<|im_end|>" as id 2, like `transformers`; allow_special=False and chat
+content keep it text (typed markers cannot end a turn)."""
 
 from __future__ import annotations
 
 import json
 import numbers
+import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -20,7 +22,7 @@ from .paths import ASSETS_DIR
 
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = [ENDOFTEXT, IM_START, IM_END]  # in this order, so their ids are 0, 1, 2
-ROLES = ("system", "user", "assistant")  # the chat roles (corpus.py validates SFT records against these)
+ROLES = ("system", "user", "assistant", "tool")  # the chat roles (corpus.py validates SFT records against these)
 ROLE_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")  # tokenizer_config.json keys naming special tokens
 DEFAULT_VOCAB_SIZE = 6400
 DEFAULT_DIR = ASSETS_DIR / "tokenizer"
@@ -30,6 +32,10 @@ TOKENIZER_FILE, CONFIG_FILE = "tokenizer.json", "tokenizer_config.json"
 CHAT_TEMPLATE = ("{%- for message in messages %}"
                  "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
                  "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+TOOLS_TURN = ('# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with '
+              'function signatures within <tools></tools> XML tags:\n<tools>{tools}\n</tools>\n\nFor each function '
+              'call, return a json object with function name and arguments within <tool_call></tool_call> XML '
+              'tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
 
 
 def default_config(hf: tokenizers.Tokenizer, model_max_length: int = 32768) -> dict:
@@ -100,6 +106,54 @@ def check_messages(messages: Sequence[dict]) -> None:
         if m["role"] == "system" and i != 0:
             raise ValueError(f"messages[{i}] is a system message; only messages[0] may be one")
         check_text(m["content"], f"messages[{i}]['content']")
+        check_turn_extras(m, f"messages[{i}]")
+
+
+def check_turn_extras(turn: dict, where: str) -> None:
+    """Refuse malformed MiniMind-3 fields of a turn: reasoning_content (text), tool_calls (an assistant's list)."""
+    if (reasoning := turn.get("reasoning_content")) is not None and not isinstance(reasoning, str):
+        raise ValueError(f"{where}['reasoning_content'] must be a string, got {type(reasoning).__name__}")
+    check_text(reasoning or "", f"{where}['reasoning_content']")
+    if (calls := turn.get("tool_calls")) is not None and (turn["role"] != "assistant" or not isinstance(calls, list)):
+        raise ValueError(f"{where}['tool_calls'] must be a list on an assistant turn, got {calls!r:.80}")
+    for k, call in enumerate(calls or []):
+        call = call.get("function", call) if isinstance(call, dict) else call
+        if not (isinstance(call, dict) and isinstance(call.get("name"), str)
+                and isinstance(call.get("arguments"), (str, dict))):
+            raise ValueError(f"{where}['tool_calls'][{k}] must be {{'name': str, 'arguments': str or object}}")
+
+
+def chat_pieces(messages: Sequence[dict], tools: Sequence[dict] | None = None, add_generation_prompt: bool = False,
+                think: bool = False) -> list[tuple[str, bool]]:
+    """The chat template as (text, is_content) pieces: ChatML, plus MiniMind-3's tools block, tool turns (inside a user
+    turn), <tool_call>s and <think> blocks (on every assistant turn when think, else only where reasoning is given)."""
+    out = []
+    if tools:  # the first system message, if any, goes inside the tools block
+        system = [p for m in messages[:1] if m["role"] == "system" for p in ((m["content"], True), ("\n\n", False))]
+        body = TOOLS_TURN.replace("{tools}", "".join("\n" + json.dumps(t, ensure_ascii=False) for t in tools))
+        out += [(f"{IM_START}system\n", False), *system, (body + f"{IM_END}\n", False)]
+        messages = messages[1:] if system else messages
+    for i, m in enumerate(messages):
+        role, content, reasoning = m["role"], m["content"], m.get("reasoning_content")
+        if role == "tool":  # consecutive tool results share one user turn
+            out += [(f"{IM_START}user", False)] * (i == 0 or messages[i - 1]["role"] != "tool")
+            out += [("\n<tool_response>\n", False), (content, True), ("\n</tool_response>", False)]
+            out += [(f"{IM_END}\n", False)] * all(nxt["role"] != "tool" for nxt in messages[i + 1:i + 2])
+            continue
+        out.append((f"{IM_START}{role}\n", False))
+        thinks = role == "assistant" and bool(think or reasoning)
+        if thinks and reasoning is None and "</think>" in content:  # inline thoughts, as MiniMind-3 reads them
+            reasoning, content = content.split("</think>")[0].split("<think>")[-1], content.split("</think>")[-1]
+        out += [("<think>\n", False), ((reasoning or "").strip("\n"), True), ("\n</think>\n\n", False)] * thinks
+        out.append((content.lstrip("\n") if thinks else content, True))
+        for k, call in enumerate(m.get("tool_calls") or []):
+            call = call.get("function", call)  # OpenAI nests {"function": {"name", "arguments"}}
+            args = a if isinstance(a := call["arguments"], str) else json.dumps(a, ensure_ascii=False)
+            out += [("\n" if k or content else "", False), ('<tool_call>\n{"name": "', False), (call["name"], True),
+                    ('", "arguments": ', False), (args, True), ("}\n</tool_call>", False)]
+        out.append((f"{IM_END}\n", False))
+    return out + ([(f"{IM_START}assistant\n" + ("<think>\n\n</think>\n\n" if think else ""), False)]
+                  if add_generation_prompt else [])
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int = DEFAULT_VOCAB_SIZE,
@@ -118,8 +172,7 @@ def train_bpe(texts: Iterable[str], vocab_size: int = DEFAULT_VOCAB_SIZE,
     if got != vocab_size:
         raise ValueError(f"the corpus is too small for vocab_size={vocab_size}: BPE ran out of pairs to "
                          f"merge at {got} tokens; give it more text or ask for vocab_size<={got}")
-    for i, name in enumerate(SPECIAL_TOKENS):  # MiniMind's train_tokenizer.py asserts the same
-        assert hf.token_to_id(name) == i, (name, hf.token_to_id(name))
+    assert [hf.token_to_id(name) for name in SPECIAL_TOKENS] == [0, 1, 2]  # MiniMind's train_tokenizer.py asserts it
     return hf
 
 
@@ -158,6 +211,9 @@ class Tokenizer:
         self.bos_token_id, self.eos_token_id, self.pad_token_id, self.unk_token_id = (ids[k] for k in ROLE_KEYS)
         self.endoftext_id, self.im_start_id, self.im_end_id = (ids[name] for name in SPECIAL_TOKENS)
         self.chat_template: str = self.config.get("chat_template", CHAT_TEMPLATE)
+        self.think = "<think>" in self.chat_template  # MiniMind-3's template: every assistant turn has a <think> block
+        markers = {t.content for t in hf.get_added_tokens_decoder().values()} | set(SPECIAL_TOKENS)
+        self._special_re = re.compile(f"({'|'.join(map(re.escape, sorted(markers, key=len, reverse=True)))})")
         # A twin that encodes special-token strings as plain text (chat content): no shared flag to switch, no race
         self._plain = tokenizers.Tokenizer.from_str(hf.to_str())
         self._plain.encode_special_tokens = True
@@ -237,21 +293,23 @@ class Tokenizer:
         return [self.decode(ids, skip_special_tokens) for ids in batch]
 
     def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = False,
-                            tokenize: bool = False) -> str | list[int]:
-        """ChatML: '<|im_start|>role\\ncontent<|im_end|>\\n' per message (+ '<|im_start|>assistant\\n')."""
+                            tokenize: bool = False, tools: Sequence[dict] | None = None) -> str | list[int]:
+        """ChatML: '<|im_start|>role\\ncontent<|im_end|>\\n' per message, + MiniMind-3's fields (see chat_pieces)."""
         check_messages(messages)
-        if tokenize:
-            return self._chat_ids(messages, add_generation_prompt)
-        text = "".join(f"{IM_START}{m['role']}\n{m['content']}{IM_END}\n" for m in messages)
-        return text + (f"{IM_START}assistant\n" if add_generation_prompt else "")
+        pieces = chat_pieces(messages, tools, add_generation_prompt, self.think)
+        return self._chat_ids(pieces) if tokenize else "".join(text for text, _ in pieces)
 
-    def _chat_ids(self, messages: Sequence[dict], add_generation_prompt: bool) -> list[int]:
-        """The template's ids built from ids: markers are special ids, content plain text (typed markers stay text)."""
-        plain = lambda text: self._plain.encode(text, add_special_tokens=False).ids
-        ids: list[int] = []
-        for m in messages:
-            ids += [self.im_start_id, *plain(f"{m['role']}\n{m['content']}"), self.im_end_id, *plain("\n")]
-        return ids + ([self.im_start_id, *plain("assistant\n")] if add_generation_prompt else [])
+    def _chat_ids(self, pieces: list[tuple[str, bool]]) -> list[int]:
+        """Ids of the pieces: markers are special ids, the text between them (content: always text) encoded at once."""
+        ids, text = [], ""
+        for piece, is_content in pieces:
+            for j, part in enumerate([piece] if is_content else self._special_re.split(piece)):
+                if j % 2:  # a special marker: flush the text before it
+                    ids += [*self._plain.encode(text, add_special_tokens=False).ids, self.hf.token_to_id(part)]
+                    text = ""
+                else:
+                    text += part
+        return ids + self._plain.encode(text, add_special_tokens=False).ids
 
 
 def load_tokenizer(directory: str | Path | None = None) -> Tokenizer:

@@ -308,7 +308,7 @@ def test_train_refuses_impossible_sizes():
 
 # ------------------------------------------------------------------ data/train_tokenizer.py: jsonl texts and the CLI
 def test_roles_have_one_home():
-    assert corpus.ROLES is ROLES == ("system", "user", "assistant")  # data reads roles, tokenizer owns them
+    assert corpus.ROLES is ROLES == ("system", "user", "assistant", "tool")  # data reads roles, tokenizer owns them
 
 
 def _write(path, lines):
