@@ -53,8 +53,8 @@ class MiniMindConfig:
         if self.num_attention_heads % self.num_key_value_heads != 0:
             raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple of num_key_value_heads="
                              f"{self.num_key_value_heads} (grouped-query attention needs whole groups)")
-        if self.head_dim % 2 != 0:
-            raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
+        if not isinstance(self.head_dim, int) or self.head_dim <= 0 or self.head_dim % 2 != 0:
+            raise ValueError(f"head_dim={self.head_dim!r} must be a positive even integer (rotary embeddings pair dims)")
 
     @classmethod
     def preset(cls, name: str, **overrides) -> "MiniMindConfig":
