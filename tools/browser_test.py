@@ -146,7 +146,8 @@ def run_all(page, lab: Lab, name: str, out: Path, timeout: float) -> tuple[str, 
     while not sessions and time.monotonic() < deadline:  # the session appears once the kernel is started
         sessions = [s for s in lab.api("sessions") if s["path"].endswith(name) and s.get("kernel")]
         page.wait_for_timeout(500)
-    check(len(sessions) == 1, f"{name}: one kernel session was started" + ("" if sessions else f" {lab.api('sessions')}"))
+    found = "" if sessions else f" (sessions: {lab.api('sessions')})"
+    check(len(sessions) == 1, f"{name}: one kernel session was started{found}")
     kernel = sessions[0]["kernel"]
     lab.kernel_ids.add(kernel["id"])
     check(kernel["name"] == "minimind", f"{name}: the kernel is 'minimind' (got {kernel['name']!r})")
