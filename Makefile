@@ -36,9 +36,10 @@ course: venv
 	$(PY) tools/run_course.py --out build
 
 # The course in JupyterLab in headless Chromium (smoke profile): Run All on 06 and 08, widgets, figures, chat box.
-# Chromium comes from the system's packages (installed here if missing, as root); screenshots go to build/browser/.
+# Chromium and a CJK font come from the system's packages (installed if missing, as root); screenshots in build/browser/.
 browser-test: kernel
-	command -v chromium >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq chromium; }
+	command -v chromium >/dev/null 2>&1 && fc-list :lang=zh | grep -q . || \
+		{ apt-get update -qq && apt-get install -y -qq chromium fonts-wqy-zenhei; }
 	$(PY) -m pip install --quiet -r requirements-browser.txt
 	$(PY) tools/browser_test.py
 

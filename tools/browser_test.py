@@ -208,11 +208,11 @@ def ask(page, lab: Lab, kernel_id: str, message: str, timeout: float) -> tuple[l
     """Type `message` into the chat box and press Enter; return the answer's successive texts and the last one."""
     field = page.locator(".jp-Notebook .widget-text input[placeholder^='Ask something']")
     answer = page.locator(".jp-Notebook .widget-html-content").filter(has_text="you:").first
-    page.evaluate("""() => { window.__chat = [];
+    page.evaluate("""() => { window.__chat = []; window.__chatObserver?.disconnect();
         const box = [...document.querySelectorAll('.jp-Notebook .widget-html-content')]
                     .find(e => e.closest('.widget-vbox') && e.closest('.widget-vbox').querySelector('.widget-text'));
-        new MutationObserver(() => window.__chat.push(box.innerText))
-            .observe(box, {childList: true, subtree: true, characterData: true}); }""")
+        window.__chatObserver = new MutationObserver(() => window.__chat.push(box.innerText));
+        window.__chatObserver.observe(box, {childList: true, subtree: true, characterData: true}); }""")
     field.fill(message)
     field.press("Enter")
     page.wait_for_function(f"() => window.__chat.some(t => t.includes({json.dumps(message)}))", timeout=60_000)
