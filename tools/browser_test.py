@@ -275,8 +275,8 @@ def main(argv: list[str] | None = None) -> int:
               f"the 'minimind' kernel runs this checkout's Python ({spec['spec']['argv'][0]})")
         with sync_playwright() as pw:
             browser = pw.chromium.launch(executable_path=args.chromium, headless=True, args=CHROMIUM_FLAGS)
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
             try:
-                page = browser.new_page(viewport={"width": 1400, "height": 1000})
                 page.set_default_timeout(60_000)
                 page.goto(f"{lab.url}/lab?reset&token={lab.token}")
                 page.locator(".jp-DirListing-item").first.wait_for(timeout=120_000)
@@ -291,6 +291,9 @@ def main(argv: list[str] | None = None) -> int:
                         check_progress_bars(page, name)
                         check_chat(page, lab, kernel_id, name, out, args.timeout)
                     lab.api(f"sessions/{session_id}", method="DELETE")  # done with it: its kernel shuts down
+            except Exception:
+                page.screenshot(path=str(out / "failure.png"))  # what the browser showed when it failed
+                raise
             finally:
                 browser.close()
     except CheckFailed as failure:
