@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv lab test unit notebooks course kernel clean
+.PHONY: venv lab test unit notebooks course kernel browser-test clean
 
 venv: $(STAMP)
 
@@ -34,6 +34,14 @@ notebooks: venv
 # Execute every notebook in order (cpu or gpu profile, chosen as usual) into build/, with its figures.
 course: venv
 	$(PY) tools/run_course.py --out build
+
+# The course in JupyterLab in headless Chromium (smoke profile): Run All on 06 and 08, widgets, figures, chat box.
+# Chromium and a CJK font come from the system's packages (installed if missing, as root); screenshots in build/browser/.
+browser-test: kernel
+	command -v chromium >/dev/null 2>&1 && fc-list :lang=zh | grep -q . || \
+		{ apt-get update -qq && apt-get install -y -qq chromium fonts-wqy-zenhei; }
+	$(PY) -m pip install --quiet -r requirements-browser.txt
+	$(PY) tools/browser_test.py
 
 clean:
 	rm -rf build .pytest_cache

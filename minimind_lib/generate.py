@@ -6,6 +6,7 @@ chat template. The CLI's chat command, notebook 08 and the chat box (chat_widget
 
 from __future__ import annotations
 
+import codecs
 import warnings
 from typing import Callable, Iterable, Sequence
 
@@ -93,23 +94,31 @@ def generate_ids(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int 
 
 
 class TextStream:
-    """Collects new token ids and hands `on_text` the text they add, a whole character at a time."""
+    """Turns new token ids into text for `on_text`, whole characters only (the generate_ids `stream` callback).
+
+    An incremental UTF-8 decoder holds the bytes of a character that a byte-level token leaves unfinished. Bytes
+    that never form a character (a model can emit them) show as \\xNN, not as U+FFFD, which looks like a display
+    fault. `close()` flushes what is still held.
+    """
 
     def __init__(self, tokenizer, on_text: Callable[[str], None] | None = None) -> None:
-        self.tokenizer, self.on_text = tokenizer, on_text
-        self.ids: list[int] = []
-        self._printed = ""
+        self.tokenizer, self.on_text, self.ids, self.text = tokenizer, on_text, [], ""
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="backslashreplace")
 
     def __call__(self, token_id: int) -> None:
-        """Record one new token and stream the text it completes (the generate_ids `stream` callback)."""
+        """Record one new token and stream the text it completes (special tokens add none)."""
         self.ids.append(token_id)
-        if self.on_text is None:
-            return
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if text.endswith("\ufffd"):  # an unfinished UTF-8 character: wait for its next byte
-            return
-        piece, self._printed = text[len(self._printed):], text
-        if piece:
+        if self.tokenizer.decode([token_id], skip_special_tokens=True):
+            self._emit(self._utf8.decode(self.tokenizer.token_bytes(token_id)))
+
+    def close(self) -> str:
+        """Flush the bytes still held (an unfinished last character shows as \\xNN); return the whole text."""
+        self._emit(self._utf8.decode(b"", final=True))
+        return self.text
+
+    def _emit(self, piece: str) -> None:
+        self.text += piece
+        if piece and self.on_text is not None:
             self.on_text(piece)
 
 
@@ -119,8 +128,8 @@ def generate(model: nn.Module, tokenizer, prompt: str, max_new_tokens: int = 64,
              add_bos: bool = True) -> str:
     """Continue `prompt` and return the decoded new text (greedy when temperature == 0).
 
-    stop_token_ids defaults to the tokenizer's eos token. `stream(text_piece)` receives the text as it grows
-    (decoded incrementally, so multi-byte characters arrive whole).
+    stop_token_ids defaults to the tokenizer's eos token. `stream(text_piece)` receives the text as it grows,
+    whole characters only (TextStream); the returned text is what was streamed.
     """
     ids = tokenizer.encode(prompt, add_special_tokens=False)
     bos = getattr(tokenizer, "bos_token_id", None)
@@ -128,9 +137,10 @@ def generate(model: nn.Module, tokenizer, prompt: str, max_new_tokens: int = 64,
         ids = [bos] + ids  # the pretraining samples start with bos
     if stop_token_ids is None:  # the end of a document (eos), if the tokenizer has one
         stop_token_ids = [tokenizer.eos_token_id] if getattr(tokenizer, "eos_token_id", None) is not None else []
-    new = generate_ids(model, torch.tensor(ids, dtype=torch.long), max_new_tokens, temperature, top_p, top_k,
-                       seed, use_cache, stop_token_ids, TextStream(tokenizer, stream) if stream is not None else None)
-    return tokenizer.decode(new[0].tolist(), skip_special_tokens=True)
+    text = TextStream(tokenizer, stream)
+    generate_ids(model, torch.tensor(ids, dtype=torch.long), max_new_tokens, temperature, top_p, top_k, seed,
+                 use_cache, stop_token_ids, text)
+    return text.close()
 
 
 def chat_prompt_ids(tokenizer, messages: Sequence[dict]) -> list[int]:
@@ -153,13 +163,12 @@ def chat_reply(model: torch.nn.Module, tokenizer, messages: Sequence[dict], *, t
     if not messages or messages[-1].get("role") != "user":
         raise ValueError("messages must end with a 'user' turn (the question to answer)")
     on_token = TextStream(tokenizer, stream)
-    emitted = on_token.ids
     prompt_ids = torch.tensor(chat_prompt_ids(tokenizer, messages), dtype=torch.long)
-    new = generate_ids(model, prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                       top_k=top_k, seed=seed, stop_token_ids=[tokenizer.eos_token_id], stream=on_token)
+    generate_ids(model, prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                 top_k=top_k, seed=seed, stop_token_ids=[tokenizer.eos_token_id], stream=on_token)
     if details is not None:
-        details.update(n_tokens=len(emitted), ended=bool(emitted) and emitted[-1] == tokenizer.eos_token_id)
-    return tokenizer.decode(new[0].tolist(), skip_special_tokens=True).strip()
+        details.update(n_tokens=len(on_token.ids), ended=on_token.ids[-1:] == [tokenizer.eos_token_id])
+    return on_token.close().strip()
 
 
 def chat(prompt: str, model: torch.nn.Module, tokenizer, *, history: list[dict] | None = None,
@@ -171,6 +180,5 @@ def chat(prompt: str, model: torch.nn.Module, tokenizer, *, history: list[dict] 
     turn = messages + [{"role": "user", "content": prompt}]
     answer = chat_reply(model, tokenizer, turn, **kwargs)
     if history is not None:
-        history.append({"role": "user", "content": prompt})
-        history.append({"role": "assistant", "content": answer})
+        history += [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]
     return answer

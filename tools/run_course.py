@@ -3,6 +3,8 @@
 Writes executed copies to OUT/notebooks/ and every PNG figure to OUT/figures/ (named after its notebook and cell).
 With --inplace the notebooks in notebooks/ get the outputs (how the committed outputs are made).
 The profile is chosen as everywhere else (MINIMIND_PROFILE, else gpu with CUDA, else cpu).
+The kernel is the `minimind` kernel the notebooks declare (registered by `make kernel`) when it is registered,
+else this Python's own (as in CI, where nothing is registered); the runner prints which.
 """
 
 from __future__ import annotations
@@ -40,6 +42,21 @@ def extract_figures(nb, stem: str, figure_dir: Path) -> list[Path]:
     return written
 
 
+def choose_kernel(requested: str | None) -> str:
+    """The kernel to run: `requested`, else 'minimind' when registered, else 'python3' (this Python); printed."""
+    from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
+
+    manager = KernelSpecManager()
+    name = requested or ("minimind" if "minimind" in manager.find_kernel_specs() else "python3")
+    try:
+        python = manager.get_kernel_spec(name).argv[0]
+    except NoSuchKernel:
+        raise SystemExit(f"error: no Jupyter kernel named {name!r}; run `make kernel` or pass --kernel python3")
+    python = sys.executable if python in ("python", "python3", "{python}") else python
+    print(f"kernel {name!r}: {python}", flush=True)
+    return name
+
+
 def run_course(out: Path, inplace: bool, only: list[str] | None, timeout: int, kernel: str) -> list[dict]:
     """Execute the notebooks; return one record per notebook (name, seconds, figures, error)."""
     import nbformat
@@ -75,10 +92,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--inplace", action="store_true", help="write outputs into notebooks/ themselves")
     parser.add_argument("--only", nargs="*", default=None, help="notebook name prefixes, e.g. 03 04")
     parser.add_argument("--timeout", type=int, default=3600, help="seconds per cell")
-    parser.add_argument("--kernel", default="python3", help="Jupyter kernel name (python3 = this environment)")
+    parser.add_argument("--kernel", default=None,
+                        help="Jupyter kernel name (default: minimind when registered, else python3 = this Python)")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    records = run_course(args.out, args.inplace, args.only, args.timeout, args.kernel)
+    records = run_course(args.out, args.inplace, args.only, args.timeout, choose_kernel(args.kernel))
     summary = {"device": device_report(), "notebooks": records}
     (args.out / "course.json").write_text(json.dumps(summary, indent=2))
     return 1 if any(r["error"] for r in records) else 0
