@@ -279,7 +279,8 @@ class MiniMindModel(nn.Module):
                                  f"outside [0, max_position_embeddings={self.config.max_position_embeddings})")
             cos, sin = self.freqs_cos[position_ids], self.freqs_sin[position_ids]
         mask = build_attention_mask(attention_mask, b, t, past_len, input_ids.device)
-        on_cpu = input_ids.device.type == "cpu"  # on a GPU this check would stall the host once per forward
+        # Real CPU tensors only: on a GPU the check would stall the host every forward; fake tensors hold no values.
+        on_cpu = type(input_ids) is torch.Tensor and input_ids.device.type == "cpu"
         if on_cpu and input_ids.numel() and bool((input_ids.min() < 0) | (input_ids.max() >= self.config.vocab_size)):
             raise ValueError(f"token ids range [{int(input_ids.min())}, {int(input_ids.max())}] is outside "
                              f"[0, vocab_size={self.config.vocab_size})")

@@ -41,8 +41,12 @@ class Cases:
         self.t, self.rows = tmp, []
         self.cache = ["--cache", str(tmp / "cache")]
 
+    def local(self, text: str) -> str:
+        """Paths as the table shows them: T for the temporary folder, relative to the checkout otherwise."""
+        return text.replace(str(self.t), "T").replace(f"{ROOT}/", "")
+
     def show(self, args: list) -> str:
-        text = " ".join(str(a) for a in args).replace(str(self.t), "T").replace(" ".join(TINY), "TINY")
+        text = self.local(" ".join(str(a) for a in args)).replace(" ".join(TINY), "TINY")
         return text.replace(" --cache T/cache", "")
 
     def start(self, args: list) -> subprocess.Popen:
@@ -74,7 +78,7 @@ class Cases:
         first = f"(killed by signal {-code}: no output)" if code < 0 else first
         what = (first if code else result) + (f"; {note}" if note else "") + ("; TRACEBACK" if tracebacks else "")
         ok = (expect is None or code == expect) and not tracebacks and note is not False
-        self.rows.append((case, shown.replace("|", "\\|"), code, what.replace(str(self.t), "T").replace("|", "\\|"),
+        self.rows.append((case, shown.replace("|", "\\|"), code, self.local(what).replace("|", "\\|"),
                           "yes" if ok else "**NO**"))
         print(f"[{'ok' if ok else 'UNEXPECTED'}] {case}: exit {code}: {what[:150]}", flush=True)
         return {"code": code, "out": out, "err": err}
