@@ -124,7 +124,8 @@ class JsonlReader:
                 except ValueError as e:
                     message = f"{self.path}:{lineno}: {e}"
                     if self.on_error == "raise":
-                        raise DataFormatError(message + "  (pass on_error='skip' to skip and count such lines)") from None
+                        hint = "on_error='skip' (CLI: --on-error skip) skips and counts such lines"
+                        raise DataFormatError(f"{message}  ({hint})") from None
                     self.n_skipped += 1
                     self.skipped_examples += [message][:_MAX_EXAMPLES - len(self.skipped_examples)]
                     continue
