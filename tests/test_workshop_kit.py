@@ -1,6 +1,7 @@
 """The workshop kit: `make reset` on a dirty checkout, `make handout`'s stripped copies, the diagrams' files."""
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -99,3 +100,60 @@ def test_handout_strips_outputs_and_keeps_solutions_apart(tmp_path: Path):
 def test_handout_of_an_empty_folder_is_an_error(tmp_path: Path):
     with pytest.raises(SystemExit, match="no notebooks in"):
         handout.make_handout(tmp_path / "out", tmp_path)
+
+
+import course_times  # noqa: E402
+import draw_diagrams  # noqa: E402
+
+
+def test_diagrams_are_what_the_script_draws_and_each_is_shown(tmp_path: Path):
+    drawn = draw_diagrams.draw_all(tmp_path)
+    assert len(drawn) == 4
+    notebooks = "".join((REPO / "notebooks" / p).read_text() for p in sorted(os.listdir(REPO / "notebooks"))
+                        if p.endswith(".ipynb"))
+    for path in drawn:
+        committed = REPO / "notebooks" / "figures" / path.name
+        assert committed.read_bytes() == path.read_bytes(), f"{committed} is stale: run tools/draw_diagrams.py"
+        assert f"figures/{path.name}" in notebooks, f"no notebook shows {path.name}"
+
+
+def timed_notebook(seconds: list[float], profile_line: str = "cpu (X), profile=workshop, torch 2.13.0\n"):
+    cells = [nbformat.v4.new_code_cell("print('profile')")]
+    cells[0].outputs = [nbformat.v4.new_output("stream", text=profile_line)]
+    cells += [nbformat.v4.new_code_cell(f"step_{i}()\nmore") for i in range(len(seconds))]
+    for cell, s in zip(cells[1:], seconds):
+        cell.metadata["execution"] = {"iopub.execute_input": "2026-12-03T10:00:00.000000Z",
+                                      "shell.execute_reply": f"2026-12-03T10:00:{s:09.6f}Z"}
+    return nbformat.v4.new_notebook(cells=cells + [nbformat.v4.new_markdown_cell("text")])
+
+
+def test_course_times_table_comes_from_the_recorded_cells(tmp_path: Path):
+    nb_dir, timings = tmp_path / "notebooks", tmp_path / "timings"
+    nb_dir.mkdir()
+    nbformat.write(timed_notebook([30.0, 15.5]), nb_dir / "01_a.ipynb")
+    nbformat.write(timed_notebook([6.0], "cpu (X), profile=smoke, torch 2.13.0\n"), nb_dir / "02_b.ipynb")
+    course_times.from_notebooks(nb_dir, timings)
+    record = json.loads((timings / "workshop.json").read_text())["notebooks"]["01_a.ipynb"]
+    assert record["seconds"] == 45.5 and [c["first_line"] for c in record["cells"]] == ["step_0()", "step_1()"]
+    assert record["device"] == "cpu (X), torch 2.13.0"
+    table = course_times.minutes_table(timings)
+    assert "| notebook | smoke (min) | workshop (min) |" in table  # profiles in size order
+    assert "| `01_a` |  | 0.8 |" in table and "| `02_b` | 0.1 |  |" in table
+    doc = tmp_path / "teaching.md"
+    doc.write_text(f"intro\n{course_times.START}\nold\n{course_times.END}\nafter\n")
+    assert not course_times.write_table(doc, table, check=True) and "old" in doc.read_text()
+    course_times.write_table(doc, table)
+    assert course_times.write_table(doc, table, check=True) and doc.read_text().endswith("after\n")
+
+
+def test_course_times_refuses_an_unexecuted_notebook(tmp_path: Path):
+    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("1")]), tmp_path / "01_a.ipynb")
+    with pytest.raises(SystemExit, match="no 'DEVICE, profile=NAME"):
+        course_times.from_notebooks(tmp_path, tmp_path / "timings")
+
+
+def test_teaching_guide_table_is_generated():
+    guide = REPO / "docs" / "teaching.md"
+    assert course_times.write_table(guide, course_times.minutes_table(), check=True), \
+        "docs/teaching.md's minutes table differs from docs/timings/: run make course-times"
+    assert "docs/teaching.md" in (REPO / "README.md").read_text()
