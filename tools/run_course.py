@@ -56,6 +56,8 @@ def run_course(out: Path, inplace: bool, only: list[str] | None, timeout: int, k
     records = []
     for path in notebook_paths(notebook_dir, only):
         nb = nbformat.read(path, as_version=4)
+        for cell in nb.cells:  # a cell that does not run (after an error) must not keep an older run's timing
+            cell.metadata.pop("execution", None)
         client = NotebookClient(nb, timeout=timeout, kernel_name=kernel, resources={"metadata": {"path": str(notebook_dir)}})
         start = time.perf_counter()
         error = None
