@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from minimind_lib.fileio import atomic_write_text
+from minimind_lib.paths import REPO_DIR
 from minimind_lib.pipeline import run_dir_for
 from minimind_lib.profiles import PROFILES
 
@@ -48,8 +49,9 @@ def prepare(profile: str) -> dict:
     print("$", shlex.join(command), flush=True)
     subprocess.run(command, check=True, env={**os.environ, "MINIMIND_PROFILE": profile})
     summary = json.loads((out / "summary.json").read_text())
+    shown = os.path.relpath(out, REPO_DIR) if out.resolve().is_relative_to(REPO_DIR) else str(out)
     record = {"made_by": "make prepare-workshop (tools/prepare_workshop.py)",
-              "command": shlex.join(["python", *command[1:]]), "profile": profile,
+              "command": shlex.join(["python", *command[1:-3], shown, *command[-2:]]), "profile": profile,
               "steps": summary.get("steps"), "tokens": summary.get("tokens"),
               "final_val_loss": summary.get("final_val_loss"), "device": summary.get("device"),
               "started_utc": started, "finished_utc": utc_now(), "model_sha256": sha256_of(out / "model.pth")}
