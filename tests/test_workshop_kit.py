@@ -157,3 +157,16 @@ def test_teaching_guide_table_is_generated():
     assert course_times.write_table(guide, course_times.minutes_table(), check=True), \
         "docs/teaching.md's minutes table differs from docs/timings/: run make course-times"
     assert "docs/teaching.md" in (REPO / "README.md").read_text()
+
+
+def test_prepare_workshop_records_where_the_run_came_from(tmp_path: Path, monkeypatch):
+    import prepare_workshop
+    monkeypatch.setenv("MINIMIND_RUNS_DIR", str(tmp_path))
+    record = prepare_workshop.prepare("smoke")
+    run = tmp_path / "smoke" / "pretrain"
+    saved = json.loads((run / prepare_workshop.PROVENANCE_FILE).read_text())
+    assert saved == record and saved["profile"] == "smoke" and saved["steps"] == 24
+    assert saved["model_sha256"] == prepare_workshop.sha256_of(run / "model.pth")
+    assert "pretrain --profile smoke --out" in saved["command"] and saved["started_utc"] <= saved["finished_utc"]
+    with pytest.raises(SystemExit, match="unknown profile 'huge'"):
+        prepare_workshop.prepare("huge")
