@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv lab test unit notebooks course kernel browser-test clean
+.PHONY: venv lab test unit notebooks course kernel browser-test clean prepare-workshop handout reset course-times
 
 venv: $(STAMP)
 
@@ -31,7 +31,8 @@ unit: venv
 notebooks: venv
 	MINIMIND_PROFILE=smoke $(PY) -m pytest --nbval-lax --nbval-current-env --nbval-cell-timeout=900 -p no:cacheprovider notebooks/ -q
 
-# Execute every notebook in order (cpu or gpu profile, chosen as usual) into build/, with its figures.
+# Execute every notebook in order (cpu or gpu profile, chosen as usual) into build/, with its figures; each run
+# also writes its per-cell timings to docs/timings/<profile>.json, which docs/teaching.md's table is made from.
 course: venv
 	$(PY) tools/run_course.py --out build
 
@@ -42,6 +43,28 @@ browser-test: kernel
 		{ apt-get update -qq && apt-get install -y -qq chromium fonts-wqy-zenhei; }
 	$(PY) -m pip install --quiet -r requirements-browser.txt
 	$(PY) tools/browser_test.py
+
+# Rewrite the minutes-per-notebook table in docs/teaching.md from docs/timings/*.json (never typed by hand).
+course-times: venv
+	$(PY) tools/course_times.py --write docs/teaching.md
+
+# Before class: train the runs later notebooks reuse (07's pretraining, which 08 starts from), workshop profile.
+prepare-workshop: venv
+	MINIMIND_PROFILE=workshop $(PY) tools/prepare_workshop.py --profile workshop
+
+# Output-stripped notebooks (build/handout/notebooks/) and solutions (build/handout/solutions/) to hand out.
+handout: venv
+	$(PY) tools/handout.py --out build/handout
+
+# Back to what a new learner gets: no runs, caches or builds, the committed notebooks. Asks first, unless YES=1.
+reset:
+	@if [ "$(YES)" != "1" ]; then \
+	  printf 'This deletes runs/, data/cache/ and build/ and discards every change to notebooks/. Continue? [y/N] '; \
+	  read answer; case "$$answer" in y|Y|yes|YES) ;; *) echo "reset cancelled: nothing changed"; exit 1;; esac; \
+	fi
+	rm -rf runs data/cache build
+	git checkout -- notebooks/
+	@echo "reset: runs/, data/cache/ and build/ removed; notebooks/ restored to the committed version"
 
 clean:
 	rm -rf build .pytest_cache

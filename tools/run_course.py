@@ -2,6 +2,7 @@
 
 Writes executed copies to OUT/notebooks/ and every PNG figure to OUT/figures/ (named after its notebook and cell).
 With --inplace the notebooks in notebooks/ get the outputs (how the committed outputs are made).
+Each notebook's cell timings go to docs/timings/<profile>.json (tools/course_times.py makes docs/teaching.md's table).
 The profile is chosen as everywhere else (MINIMIND_PROFILE, else gpu with CUDA, else cpu).
 The kernel is the `minimind` kernel the notebooks declare (registered by `make kernel`) when it is registered,
 else this Python's own (as in CI, where nothing is registered); the runner prints which.
@@ -12,12 +13,15 @@ from __future__ import annotations
 import argparse
 import base64
 import json
+import os
 import sys
 import time
 from pathlib import Path
 
-from minimind_lib.device import device_report
+from course_times import TIMINGS_DIR, notebook_record, update_timings
+from minimind_lib.device import describe, device_report
 from minimind_lib.paths import REPO_DIR
+from minimind_lib.profiles import get_profile
 
 
 def notebook_paths(notebook_dir: Path, only: list[str] | None = None) -> list[Path]:
@@ -57,15 +61,20 @@ def choose_kernel(requested: str | None) -> str:
     return name
 
 
-def run_course(out: Path, inplace: bool, only: list[str] | None, timeout: int, kernel: str) -> list[dict]:
-    """Execute the notebooks; return one record per notebook (name, seconds, figures, error)."""
+def run_course(out: Path, inplace: bool, only: list[str] | None, timeout: int, kernel: str,
+               timings_dir: Path = TIMINGS_DIR) -> list[dict]:
+    """Execute the notebooks; return one record per notebook (name, seconds, figures, error); store cell timings."""
     import nbformat
     from nbclient import NotebookClient
 
     notebook_dir = REPO_DIR / "notebooks"
+    profile = get_profile()
+    device = describe(profile).replace(f", profile={profile.name}", "")
     records = []
     for path in notebook_paths(notebook_dir, only):
         nb = nbformat.read(path, as_version=4)
+        for cell in nb.cells:  # a cell that does not run (after an error) must not keep an older run's timing
+            cell.metadata.pop("execution", None)
         client = NotebookClient(nb, timeout=timeout, kernel_name=kernel, resources={"metadata": {"path": str(notebook_dir)}})
         start = time.perf_counter()
         error = None
@@ -81,6 +90,8 @@ def run_course(out: Path, inplace: bool, only: list[str] | None, timeout: int, k
         tmp.replace(target)
         figures = extract_figures(nb, path.stem, out / "figures")
         records.append({"notebook": path.name, "seconds": seconds, "figures": len(figures), "error": error})
+        timing = {**notebook_record(nb, path.name, error), "load_average": round(os.getloadavg()[0], 2)}
+        update_timings(profile.name, device, [timing], timings_dir)
         print(f"{path.name:40s} {seconds:8.1f} s  {len(figures):2d} figures  {'ERROR ' + error.splitlines()[0] if error else 'ok'}", flush=True)
     return records
 

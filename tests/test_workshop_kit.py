@@ -1,0 +1,172 @@
+"""The workshop kit: `make reset` on a dirty checkout, `make handout`'s stripped copies, the diagrams' files."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tools"))
+
+import handout  # noqa: E402
+
+needs_git_make = pytest.mark.skipif(not (shutil.which("git") and shutil.which("make")), reason="needs git and make")
+
+
+def git(cwd: Path, *args: str) -> str:
+    return subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True, text=True).stdout
+
+
+@pytest.fixture
+def dirty_checkout(tmp_path: Path) -> Path:
+    """A git repository with the course's Makefile and a committed notebook, then everything a learner leaves."""
+    repo = tmp_path / "course"
+    (repo / "notebooks").mkdir(parents=True)
+    shutil.copy2(REPO / "Makefile", repo / "Makefile")
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("x = 1")])
+    nbformat.write(nb, repo / "notebooks" / "00_setup.ipynb")
+    git(repo, "init", "-q")
+    git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "add", ".")
+    git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "course")
+    nb.cells[0].source = "x = 2  # a learner's edit"
+    nb.cells[0].outputs = [nbformat.v4.new_output("stream", text="executed\n")]
+    nbformat.write(nb, repo / "notebooks" / "00_setup.ipynb")
+    for d in ("runs/workshop/pretrain", "data/cache", "build/handout"):
+        (repo / d).mkdir(parents=True)
+        (repo / d / "file.bin").write_bytes(b"x")
+    return repo
+
+
+def run_reset(repo: Path, *make_args: str, answer: str = "") -> subprocess.CompletedProcess:
+    return subprocess.run(["make", "-s", "-C", str(repo), "reset", *make_args], input=answer,
+                          capture_output=True, text=True)
+
+
+@needs_git_make
+def test_reset_restores_a_dirty_checkout(dirty_checkout: Path):
+    result = run_reset(dirty_checkout, "YES=1")
+    assert result.returncode == 0, result.stderr
+    for d in ("runs", "data/cache", "build"):
+        assert not (dirty_checkout / d).exists(), d
+    assert git(dirty_checkout, "status", "--porcelain") == ""  # the committed notebook is back, nothing else left
+    assert nbformat.read(dirty_checkout / "notebooks" / "00_setup.ipynb", 4).cells[0].source == "x = 1"
+
+
+@needs_git_make
+@pytest.mark.parametrize("answer", ["", "n\n", "no\n"])
+def test_reset_asks_first_and_a_no_changes_nothing(dirty_checkout: Path, answer: str):
+    result = run_reset(dirty_checkout, answer=answer)
+    assert result.returncode != 0 and "Continue?" in result.stdout and "cancelled" in result.stdout
+    assert (dirty_checkout / "runs/workshop/pretrain/file.bin").exists() and (dirty_checkout / "data/cache").exists()
+    assert "00_setup.ipynb" in git(dirty_checkout, "status", "--porcelain")
+
+
+@needs_git_make
+def test_reset_says_yes_when_asked(dirty_checkout: Path):
+    result = run_reset(dirty_checkout, answer="y\n")
+    assert result.returncode == 0, result.stderr
+    assert not (dirty_checkout / "runs").exists() and git(dirty_checkout, "status", "--porcelain") == ""
+
+
+def test_handout_strips_outputs_and_keeps_solutions_apart(tmp_path: Path):
+    src = tmp_path / "notebooks"
+    (src / "solutions").mkdir(parents=True)
+    (src / "figures").mkdir()
+    (src / "figures" / "a.svg").write_text("<svg/>")
+    (src / "ddp_demo.py").write_text("print(1)\n")
+    cell = nbformat.v4.new_code_cell("print(42)", execution_count=3, metadata={"execution": {"a": "b"}, "tags": ["t"]})
+    cell.outputs = [nbformat.v4.new_output("stream", text="42\n")]
+    nbformat.write(nbformat.v4.new_notebook(cells=[cell, nbformat.v4.new_markdown_cell("# hi")]), src / "01_a.ipynb")
+    nbformat.write(nbformat.v4.new_notebook(cells=[cell]), src / "solutions" / "01_a.ipynb")
+    out = tmp_path / "handout"
+    (out / "stale.txt").parent.mkdir()
+    (out / "stale.txt").write_text("old")
+    written = handout.make_handout(out, src)
+    assert not (out / "stale.txt").exists()  # a new handout replaces the old one
+    assert {p.name for p in written["notebooks"]} == {"01_a.ipynb", "ddp_demo.py", "figures"}
+    assert (out / "notebooks" / "figures" / "a.svg").is_file()
+    for path in (out / "notebooks" / "01_a.ipynb", out / "solutions" / "01_a.ipynb"):
+        code = nbformat.read(path, 4).cells[0]
+        assert code.source == "print(42)" and code.outputs == [] and code.execution_count is None
+        assert "execution" not in code.metadata and code.metadata["tags"] == ["t"]
+    assert not list((out / "notebooks").glob("solutions"))  # solutions only in their own folder
+
+
+def test_handout_of_an_empty_folder_is_an_error(tmp_path: Path):
+    with pytest.raises(SystemExit, match="no notebooks in"):
+        handout.make_handout(tmp_path / "out", tmp_path)
+
+
+import course_times  # noqa: E402
+import draw_diagrams  # noqa: E402
+
+
+def test_diagrams_are_what_the_script_draws_and_each_is_shown(tmp_path: Path):
+    drawn = draw_diagrams.draw_all(tmp_path)
+    assert len(drawn) == 4
+    notebooks = "".join((REPO / "notebooks" / p).read_text() for p in sorted(os.listdir(REPO / "notebooks"))
+                        if p.endswith(".ipynb"))
+    for path in drawn:
+        committed = REPO / "notebooks" / "figures" / path.name
+        assert committed.read_bytes() == path.read_bytes(), f"{committed} is stale: run tools/draw_diagrams.py"
+        assert f"figures/{path.name}" in notebooks, f"no notebook shows {path.name}"
+
+
+def timed_notebook(seconds: list[float], profile_line: str = "cpu (X), profile=workshop, torch 2.13.0\n"):
+    cells = [nbformat.v4.new_code_cell("print('profile')")]
+    cells[0].outputs = [nbformat.v4.new_output("stream", text=profile_line)]
+    cells += [nbformat.v4.new_code_cell(f"step_{i}()\nmore") for i in range(len(seconds))]
+    for cell, s in zip(cells[1:], seconds):
+        cell.metadata["execution"] = {"iopub.execute_input": "2026-12-03T10:00:00.000000Z",
+                                      "shell.execute_reply": f"2026-12-03T10:00:{s:09.6f}Z"}
+    return nbformat.v4.new_notebook(cells=cells + [nbformat.v4.new_markdown_cell("text")])
+
+
+def test_course_times_table_comes_from_the_recorded_cells(tmp_path: Path):
+    nb_dir, timings = tmp_path / "notebooks", tmp_path / "timings"
+    nb_dir.mkdir()
+    nbformat.write(timed_notebook([30.0, 15.5]), nb_dir / "01_a.ipynb")
+    nbformat.write(timed_notebook([6.0], "cpu (X), profile=smoke, torch 2.13.0\n"), nb_dir / "02_b.ipynb")
+    course_times.from_notebooks(nb_dir, timings)
+    record = json.loads((timings / "workshop.json").read_text())["notebooks"]["01_a.ipynb"]
+    assert record["seconds"] == 45.5 and [c["first_line"] for c in record["cells"]] == ["step_0()", "step_1()"]
+    assert record["device"] == "cpu (X), torch 2.13.0"
+    table = course_times.minutes_table(timings)
+    assert "| notebook | smoke (min) | workshop (min) |" in table  # profiles in size order
+    assert "| `01_a` |  | 0.8 |" in table and "| `02_b` | 0.1 |  |" in table
+    doc = tmp_path / "teaching.md"
+    doc.write_text(f"intro\n{course_times.START}\nold\n{course_times.END}\nafter\n")
+    assert not course_times.write_table(doc, table, check=True) and "old" in doc.read_text()
+    course_times.write_table(doc, table)
+    assert course_times.write_table(doc, table, check=True) and doc.read_text().endswith("after\n")
+
+
+def test_course_times_refuses_an_unexecuted_notebook(tmp_path: Path):
+    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("1")]), tmp_path / "01_a.ipynb")
+    with pytest.raises(SystemExit, match="no 'DEVICE, profile=NAME"):
+        course_times.from_notebooks(tmp_path, tmp_path / "timings")
+
+
+def test_teaching_guide_table_is_generated():
+    guide = REPO / "docs" / "teaching.md"
+    assert course_times.write_table(guide, course_times.minutes_table(), check=True), \
+        "docs/teaching.md's minutes table differs from docs/timings/: run make course-times"
+    assert "docs/teaching.md" in (REPO / "README.md").read_text()
+
+
+def test_prepare_workshop_records_where_the_run_came_from(tmp_path: Path, monkeypatch):
+    import prepare_workshop
+    monkeypatch.setenv("MINIMIND_RUNS_DIR", str(tmp_path))
+    record = prepare_workshop.prepare("smoke")
+    run = tmp_path / "smoke" / "pretrain"
+    saved = json.loads((run / prepare_workshop.PROVENANCE_FILE).read_text())
+    assert saved == record and saved["profile"] == "smoke" and saved["steps"] == 24
+    assert saved["model_sha256"] == prepare_workshop.sha256_of(run / "model.pth")
+    assert "pretrain --profile smoke --out" in saved["command"] and saved["started_utc"] <= saved["finished_utc"]
+    with pytest.raises(SystemExit, match="unknown profile 'huge'"):
+        prepare_workshop.prepare("huge")
