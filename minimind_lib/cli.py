@@ -41,7 +41,7 @@ def _add_train_args(p: argparse.ArgumentParser, stage: str) -> None:
     p.add_argument("--data", default=None, help=f"jsonl file (default: data/{'pretrain' if stage == 'pretrain' else 'sft'}.jsonl); "
                    "MiniMind's own files work unchanged")
     p.add_argument("--out", required=True, help="run directory to write (config.json, model.pth, tokenizer/, metrics.csv, last.pt)")
-    p.add_argument("--profile", default=None, help="sizes from this profile: smoke, cpu, gpu (default: MINIMIND_PROFILE or auto)")
+    p.add_argument("--profile", default=None, help="sizes from this profile: smoke, workshop, cpu, gpu (default: MINIMIND_PROFILE or auto)")
     if stage == "pretrain":
         p.add_argument("--config", default=None, help="model preset: minimind2-small, minimind-3, cpu, smoke (default: the profile's)")
         p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the bundled 6400-token tokenizer)")
