@@ -211,6 +211,9 @@ def check_resume(out: Path, run_cfg: dict, cfg: Any, dinfo: Any) -> dict:
     """Compare the new run's settings with the saved run before anything is written; returns the saved state."""
     saved = read_run_config(out)
     for key in RESUME_KEYS:
+        if key.endswith("fingerprint") and key not in saved:  # config.json of a run made before fingerprints
+            raise RunError(f"cannot resume {out}: its {CONFIG_FILE} records no {key} (written by an older version), "
+                           f"so the data file cannot be checked against the run's position: start a new --out")
         if key.endswith("fingerprint") and saved.get(key) != run_cfg.get(key):
             raise RunError(f"cannot resume {out}: the file {run_cfg.get(key[:-12])} changed since the run started "
                            f"(size and content: {saved.get(key)} then, {run_cfg.get(key)} now); its saved position "

@@ -139,6 +139,16 @@ def test_resume_refuses_a_changed_data_file(tmp_path, cache, capsys):
     assert run_cli(["pretrain", "--out", out, "--resume"] + common, capsys)[0] == 0
 
 
+def test_resume_of_a_run_without_a_data_fingerprint_says_why(tmp_path, cache, capsys):
+    out, common = tmp_path / "run", ["--steps", 4, "--cache", cache] + TINY_CLI
+    assert run_cli(["pretrain", "--out", out, "--stop-after", 2] + common, capsys)[0] == 0
+    config = json.loads((out / "config.json").read_text())
+    del config["data_fingerprint"]  # as written before runs recorded one
+    (out / "config.json").write_text(json.dumps(config))
+    code, _, err = run_cli(["pretrain", "--out", out, "--resume"] + common, capsys)
+    assert code == 2 and "records no data_fingerprint (written by an older version)" in err
+
+
 # ------------------------------------------------------------------------------------------ also
 def test_an_out_of_memory_error_in_a_cli_run_is_recovered_without_losing_a_sample(tmp_path, cache, monkeypatch, capsys):
     forward, calls = MiniMindForCausalLM.forward, {"multi_row": 0}
