@@ -2,7 +2,7 @@
 # Download the Jupyter wheels of benchmarks/gpu_wheels.txt into .whl/ (git-ignored), for a GPU machine without
 # network or Jupyter. gpu_check.sh installs whatever it finds in .whl/ with pip --no-index --no-deps --target.
 #
-#   bash benchmarks/fetch_gpu_wheels.sh [PYTHON_VERSION]    (default 3.12: the lent H200 machine's python3)
+#   bash benchmarks/fetch_gpu_wheels.sh [PYTHON_VERSION]    (default 3.12: the target GPU machine's python3)
 #   WHL_DIR=DIR puts them elsewhere (default .whl)
 set -euo pipefail
 cd "$(dirname "$0")/.."

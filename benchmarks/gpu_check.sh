@@ -3,7 +3,7 @@
 # Runs the benchmarks, then executes every notebook in the gpu profile (make course's runner),
 # and packs the executed notebooks, figures and JSON results into one archive in the output folder.
 #
-#   bash benchmarks/gpu_check.sh [OUTDIR]        (default: build/gpu_check; $OUT when the device tool runs it)
+#   bash benchmarks/gpu_check.sh [OUTDIR]        (default: $OUT when set, else build/gpu_check)
 #
 # Time: a hard deadline of GPU_CHECK_SECONDS (default 450 s) from the start. The benchmarks get at most
 # BENCH_SECONDS (default 170 s) of it, each under its own cap; the course gets what is left minus
@@ -72,7 +72,7 @@ done
 
 # Then every notebook, executed into the work folder (not in place: the caller decides what to commit).
 if ! $py -c "import nbclient, nbformat, ipykernel" 2>/dev/null; then
-  echo "course skipped: nbclient/nbformat/ipykernel not importable (carry .whl/: benchmarks/fetch_gpu_wheels.sh)" \
+  echo "course skipped: nbclient/nbformat/ipykernel not importable (put the wheels in .whl/: benchmarks/fetch_gpu_wheels.sh)" \
     | tee -a "$work/status.txt"; status=1; jupyter=0
 else
   jupyter=1; t=$(( $(left "$total") - 15 - compile_reserve ))
