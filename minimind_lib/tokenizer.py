@@ -136,15 +136,18 @@ def chat_pieces(messages: Sequence[dict], tools: Sequence[dict] | None = None, a
     for i, m in enumerate(messages):
         role, content, reasoning = m["role"], m["content"], m.get("reasoning_content")
         if role == "tool":  # consecutive tool results share one user turn
-            out += [(f"{IM_START}user", False)] * (i == 0 or messages[i - 1]["role"] != "tool")
+            if i == 0 or messages[i - 1]["role"] != "tool":
+                out.append((f"{IM_START}user", False))
             out += [("\n<tool_response>\n", False), (content, True), ("\n</tool_response>", False)]
-            out += [(f"{IM_END}\n", False)] * all(nxt["role"] != "tool" for nxt in messages[i + 1:i + 2])
+            if i + 1 == len(messages) or messages[i + 1]["role"] != "tool":
+                out.append((f"{IM_END}\n", False))
             continue
         out.append((f"{IM_START}{role}\n", False))
         thinks = role == "assistant" and bool(think or reasoning)
         if thinks and reasoning is None and "</think>" in content:  # inline thoughts, as MiniMind-3 reads them
             reasoning, content = content.split("</think>")[0].split("<think>")[-1], content.split("</think>")[-1]
-        out += [("<think>\n", False), ((reasoning or "").strip("\n"), True), ("\n</think>\n\n", False)] * thinks
+        if thinks:
+            out += [("<think>\n", False), ((reasoning or "").strip("\n"), True), ("\n</think>\n\n", False)]
         out.append((content.lstrip("\n") if thinks else content, True))
         for k, call in enumerate(m.get("tool_calls") or []):
             call = call.get("function", call)  # OpenAI nests {"function": {"name", "arguments"}}

@@ -191,8 +191,11 @@ class AmpSettings:
     dtype: torch.dtype | None
     use_scaler: bool
     reason: str
-    name = property(lambda self: {torch.bfloat16: "bf16", torch.float16: "fp16", None: "fp32"}[self.dtype],
-                    doc="'bf16', 'fp16' or 'fp32'")
+
+    @property
+    def name(self) -> str:
+        """'bf16', 'fp16' or 'fp32'."""
+        return {torch.bfloat16: "bf16", torch.float16: "fp16", None: "fp32"}[self.dtype]
 
 
 def resolve_amp(amp: str, device: torch.device | str) -> AmpSettings:
@@ -246,8 +249,9 @@ def evaluate(model: nn.Module, batches: Iterable[dict], *, device: torch.device 
 class _Run:
     """One `fit` call: model, optimizer, scaler, data position and counters, and the steps of its loop."""
     def __init__(self, model: nn.Module, data: Iterable, cfg: TrainConfig, device: torch.device, controller: Any,
-                 meter: Any, is_main_process: bool) -> None:
+                 meter: Any, is_main_process: bool, callbacks: Sequence[Callable] = ()) -> None:
         self.model, self.cfg, self.device, self.controller = model.to(device).train(), cfg, device, controller
+        self.callbacks = list(callbacks)  # cb(step, row) after each step; cb.checkpoint_extra(row) into each last.pt
         self.amp, self.stream, self.is_main_process = resolve_amp(cfg.amp, device), DataStream(data), is_main_process
         self.optimizer, self.scaler = build_optimizer(model, cfg, device), make_scaler(self.amp, device)
         self.ckpt_path = Path(cfg.ckpt_dir) / "last.pt" if cfg.ckpt_dir else None
@@ -375,8 +379,8 @@ def fit(model: nn.Module, train_batches_or_loader: Iterable, cfg: TrainConfig, *
     """Train `model` for cfg.max_steps optimizer steps: a DataFrame, one metrics row per step (attrs: run counters).
     The data yields cfg.accum_steps collated micro-batches per step, or, with a controller, each step's samples for
     `controller.run_step(item, accumulate_fn[, zero_grad=model])` to split. cb(step, row): "stop" ends training."""
-    run = _Run(model, train_batches_or_loader, cfg, torch.device(device), controller, meter, is_main_process)
-    run.callbacks = list(callbacks or [])
+    run = _Run(model, train_batches_or_loader, cfg, torch.device(device), controller, meter, is_main_process,
+               callbacks or ())
     if resume_from is not None:
         run.restore(Path(resume_from), resume=True)
     else:
@@ -393,7 +397,7 @@ def fit(model: nn.Module, train_batches_or_loader: Iterable, cfg: TrainConfig, *
             bar.update(max(0, run.step - bar.n))
             if row["step"] % max(cfg.log_every, 1) == 0:
                 bar.set_postfix(loss=f"{row['loss']:.3f}", lr=f"{row['lr']:.2e}")
-            stop = "stop" in [cb(row["step"], row) for cb in callbacks or []]  # every callback runs
+            stop = "stop" in [cb(row["step"], row) for cb in run.callbacks]  # every callback runs
         if run.ckpt_path is not None and rows and "ckpt" not in rows[-1]["event"].split(";"):
             tag = run.save()  # the final state, so a later run (or notebook) can resume or load it
             rows[-1]["event"] = ";".join(e for e in (rows[-1]["event"], tag) if e)
