@@ -170,21 +170,10 @@ def test_chat_box_with_and_without_widget(sft_run):
     assert "Hello!" in box._answer.value and box.transcript[-1] == ("Hello!", plain)
 
 
-def test_a_real_run_recovers_from_an_out_of_memory_error_without_losing_a_sample(tmp_path, monkeypatch):
+def test_a_real_run_recovers_from_an_out_of_memory_error_without_losing_a_sample(tmp_path, inject_oom):
     # The adaptive controller is part of every single-process run: an OOM in a forward pass (injected here on the
     # third multi-row micro-batch) halves the micro-batch and retries the same samples.
-    from minimind_lib.model import MiniMindForCausalLM
-
-    forward, calls = MiniMindForCausalLM.forward, {"multi_row": 0}
-
-    def forward_that_runs_out_of_memory_once(self, input_ids, *args, **kwargs):
-        if self.training and input_ids.shape[0] > 1:
-            calls["multi_row"] += 1
-            if calls["multi_row"] == 3:
-                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
-        return forward(self, input_ids, *args, **kwargs)
-
-    monkeypatch.setattr(MiniMindForCausalLM, "forward", forward_that_runs_out_of_memory_once)
+    calls = inject_oom(3)
     run = pipeline.pretrain(out=tmp_path / "run", steps=3, **TINY)
     batching = run.summary["batching"]
     assert calls["multi_row"] >= 3 and batching["oom_events_recovered"] == 1 and batching["samples_lost"] == 0

@@ -150,17 +150,8 @@ def test_resume_of_a_run_without_a_data_fingerprint_says_why(tmp_path, cache, ca
 
 
 # ------------------------------------------------------------------------------------------ also
-def test_an_out_of_memory_error_in_a_cli_run_is_recovered_without_losing_a_sample(tmp_path, cache, monkeypatch, capsys):
-    forward, calls = MiniMindForCausalLM.forward, {"multi_row": 0}
-
-    def forward_that_runs_out_of_memory_once(self, input_ids, *args, **kwargs):
-        if self.training and input_ids.shape[0] > 1:
-            calls["multi_row"] += 1
-            if calls["multi_row"] == 2:
-                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
-        return forward(self, input_ids, *args, **kwargs)
-
-    monkeypatch.setattr(MiniMindForCausalLM, "forward", forward_that_runs_out_of_memory_once)
+def test_an_out_of_memory_error_in_a_cli_run_is_recovered_without_losing_a_sample(tmp_path, cache, inject_oom, capsys):
+    inject_oom(2)  # the second multi-row training forward runs out of memory
     code, out, err = run_cli(["pretrain", "--out", tmp_path / "run", "--steps", 3, "--cache", cache] + TINY_CLI, capsys)
     assert code == 0, err
     batching = json.loads(out)["batching"]
