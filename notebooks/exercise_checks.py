@@ -49,7 +49,7 @@ def verdict(exercise: str, hint: str, test: Callable[[], None], *answers: Any) -
     print(f"exercise {exercise}: {PASSED}")
 
 
-def _close(a: Any, b: float, rel: float = 1e-6) -> None:
+def _close(a: Any, b: float, rel: float = 1e-6) -> bool:
     is_number = isinstance(a, (int, float)) and not isinstance(a, bool)
     return is_number and math.isclose(float(a), b, rel_tol=rel, abs_tol=1e-12)
 
