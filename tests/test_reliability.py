@@ -257,6 +257,9 @@ def test_config_and_token_ids_are_validated():
     for field in ("hidden_size", "vocab_size", "num_hidden_layers"):
         with pytest.raises(ValueError, match=f"{field}=0: must be a positive integer"):
             MiniMindConfig(**{field: 0})
+    for head_dim in (0, 3):  # rotary embeddings rotate pairs of dimensions
+        with pytest.raises(ValueError, match=f"head_dim={head_dim} must be a positive even integer"):
+            MiniMindConfig(head_dim=head_dim)
     model = MiniMindForCausalLM(MiniMindConfig.preset("smoke"))
     for bad in (6400, -1):
         with pytest.raises(ValueError, match=r"token ids range .* is outside \[0, vocab_size=6400\)"):
