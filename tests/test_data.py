@@ -154,7 +154,13 @@ def test_pretrain_truncation_is_counted(pre_path, tok):
     assert ds.stats.n_truncated == int((raw > 16).sum()) > 0
     assert ds.stats.truncated_tokens == int((raw - 16).clip(0).sum())
     assert ds.stats.n_tokens == int(ds.lengths.sum())
-    assert ds[0]["input_ids"].tolist() == full[0]["input_ids"][:16].tolist()
+    # MiniMind-3's cut: bos + text[:seq_len - 2] + eos, the text's tokens encoded whole and then cut
+    for i in np.flatnonzero(raw > 16):
+        text_ids = tok.encode(CORPUS[i])
+        assert ds[int(i)]["input_ids"].tolist() == [tok.bos_token_id, *text_ids[:14], tok.eos_token_id]
+    wide = D.PretrainDataset(pre_path, tok, seq_len=int(raw.max()))  # no text longer than seq_len: nothing is cut
+    assert all(wide[i]["input_ids"].tolist() == full[i]["input_ids"].tolist() for i in range(len(CORPUS)))
+    assert D.PretrainDataset(pre_path, tok, seq_len=2)[0]["input_ids"].tolist() == [tok.bos_token_id, tok.eos_token_id]
 
 
 def _rows_of(ds):
