@@ -35,10 +35,9 @@ _MAX_EXAMPLES = 5  # how many skipped-line messages to keep for reports
 SYSTEM_PROMPTS = (  # MiniMind-3's pool for its SFT augmentation (augment_minimind3)
     "你是一个知识丰富的AI，尽力为用户提供准确的信息。", "你是minimind，一个小巧但有用的语言模型。", "你是一个专业的AI助手，请提供有价值的回答。",
     "你是minimind，请尽力帮助用户解决问题。", "你是一个可靠的AI，请给出准确的回答。", "You are a helpful AI assistant.",
-    "You are minimind, a lightweight intelligent assistant.",
+    "You are minimind, a lightweight intelligent assistant.", "You are minimind, a small but useful language model.",
     "You are a friendly chatbot. Please answer the user's questions carefully.",
-    "You are a knowledgeable AI. Try your best to provide accurate information.",
-    "You are minimind, a small but useful language model.")
+    "You are a knowledgeable AI. Try your best to provide accurate information.")
 
 
 class DataFormatError(ValueError):
@@ -239,11 +238,8 @@ def encode_sft(tokenizer, conversations: list[dict], rng: random.Random | None =
     """An SFT sample: the chat template's ids (int64) and assistant mask (uint8), untruncated; tool results untrained.
     rng: MiniMind-3's augmentation (augment_minimind3), off when None."""
     conversations, empty_think = augment_minimind3(conversations, rng) if rng is not None else (conversations, True)
-    messages = []
-    for t in conversations:
-        m = {"role": t["role"], "content": t["content"], "tool_calls": json_field(t.get("tool_calls"), "tool_calls")}
-        messages.append({k: v for k, v in {**m, "reasoning_content": t.get("reasoning_content")}.items()
-                         if v is not None or k == "content"})
+    messages = [{k: json_field(t[k], k) if k == "tool_calls" else t[k] for k in ("role", "content", "reasoning_content",
+                 "tool_calls") if k in t and (k == "content" or t[k] is not None)} for t in conversations]
     tools = tools_of(conversations) or None
     # tokenize=True: the template's structure comes from ids, so "<|im_end|>" typed inside content stays text
     extra = {} if empty_think else {"empty_think": False}  # only the course's Tokenizer knows the argument
@@ -350,7 +346,7 @@ def _cache_key(jsonl_path: str | os.PathLike, tokenizer, kind: str, max_samples:
     return {"format": "minimind-memmap", "version": MEMMAP_FORMAT_VERSION, "kind": kind,
             "source": {"path": str(Path(jsonl_path).resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns},
             "tokenizer": {"fingerprint": tokenizer_fingerprint(tokenizer), "vocab_size": int(tokenizer.vocab_size)},
-            "max_samples": max_samples, "on_error": on_error, **({"augment_seed": augment_seed} if augment_seed is not None else {})}
+            "max_samples": max_samples, "on_error": on_error, "augment_seed": augment_seed}
 
 
 def memmap_is_fresh(out_prefix: str | os.PathLike, jsonl_path: str | os.PathLike, tokenizer, kind: str = "pretrain",
@@ -361,8 +357,6 @@ def memmap_is_fresh(out_prefix: str | os.PathLike, jsonl_path: str | os.PathLike
         meta = read_memmap_meta(str(out_prefix))
     except (OSError, ValueError) as e:  # no cache yet, unreadable, or of another format (JSONDecodeError: ValueError)
         return False, str(e)
-    if meta.get("augment_seed") != augment_seed:
-        return False, f"augment_seed changed (cache: {meta.get('augment_seed')}, now: {augment_seed})"
     for key, value in _cache_key(jsonl_path, tokenizer, kind, max_samples, on_error, augment_seed).items():
         if meta.get(key) != value:
             return False, f"{key} changed (cache: {meta.get(key)!r:.120}, now: {value!r:.120})"
