@@ -59,9 +59,8 @@ def _check_text(text: Any, where: str, allow_blank: bool = False) -> None:
 
 
 def validate_record(record: Any, kind: str) -> None:
-    """Raise ValueError (message naming the key and value) unless `record` is a valid `kind` sample. SFT turns as
-    MiniMind-3 reads them: tools (first, system turn) and tool_calls as lists or JSON text, content None where it may be
-    empty, a later system turn; and every tool call answered by its own tool turn, right after it."""
+    """Raise ValueError (message naming the key and value) unless `record` is a valid `kind` sample (SFT turns as
+    MiniMind-3 reads them, see data/README.md; every tool call answered by its own tool turn, right after it)."""
     check_choice("kind", kind, KINDS)
     if not isinstance(record, dict):
         raise ValueError(f"expected a JSON object, got {type(record).__name__}")
@@ -186,9 +185,8 @@ def _read_role(tokenizer, ids: list[int], i: int, header: list[int]) -> tuple[st
 
 
 def assistant_mask(tokenizer, ids: Sequence[int]) -> np.ndarray:
-    """uint8 mask over a chat-template token sequence, MiniMind-3's trained tokens: 1 from after each
-    ``<|im_start|>assistant\\n`` up to and including its ``<|im_end|>\\n``; 0 on system, user and tool turns.
-    Anchored on the atomic special tokens."""
+    """uint8 mask over chat-template ids, MiniMind-3's trained tokens: 1 from after each ``<|im_start|>assistant\\n``
+    up to and including its ``<|im_end|>\\n``, 0 elsewhere. Anchored on the atomic special tokens."""
     ids, header = [int(i) for i in ids], list(tokenizer.encode("assistant\n", add_special_tokens=False))
     newline = list(tokenizer.encode("\n", add_special_tokens=False))
     n, bos, eos = len(ids), tokenizer.bos_token_id, tokenizer.eos_token_id
@@ -211,8 +209,7 @@ def json_field(value: Any, where: str) -> Any:
 
 
 def tools_of(conv: list[dict]) -> list:
-    """The tools a conversation offers: its system turn's "tools" (MiniMind's older name "functions"), a list or its
-    JSON text, each entry {"type": "function", "function": {"name": ...}}."""
+    """The tools of a conversation's system turn ("tools", or MiniMind's older "functions"): a list or its JSON text."""
     key = "tools" if conv[0].get("tools") is not None else "functions"
     tools = json_field(conv[0].get(key), f"conversations[0][{key!r}]") if conv[0]["role"] == "system" else None
     if not isinstance(tools, (list, type(None))):
@@ -235,8 +232,7 @@ def augment_minimind3(conversations: list[dict], rng: random.Random) -> tuple[li
 
 
 def encode_sft(tokenizer, conversations: list[dict], rng: random.Random | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """An SFT sample: the chat template's ids (int64) and assistant mask (uint8), untruncated; tool results untrained.
-    rng: MiniMind-3's augmentation (augment_minimind3), off when None."""
+    """An SFT sample: the chat template's ids (int64) and assistant mask (uint8), untruncated; rng: augment_minimind3."""
     conversations, empty_think = augment_minimind3(conversations, rng) if rng is not None else (conversations, True)
     messages = [{k: json_field(t[k], k) if k == "tool_calls" else t[k] for k in ("role", "content", "reasoning_content",
                  "tool_calls") if k in t and (k == "content" or t[k] is not None)} for t in conversations]
@@ -261,13 +257,13 @@ def _init_worker(tokenizer) -> None:
 
 def tokenize_samples(kind: str, payloads: list, tokenizer=None, augment_seed: int | None = None,
                      start: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """Flat int64 ids, per-sample lengths and (SFT) the flat uint8 trained-token mask of a chunk of samples (the first
-    is sample `start` of its file: with augment_seed, sample i draws its augmentation from a Random of its own)."""
+    """Flat int64 ids, per-sample lengths and (SFT) uint8 trained-token mask of the samples `start`, `start` + 1, ..."""
     tok = tokenizer if tokenizer is not None else _WORKER["tok"]
     if kind == "pretrain":  # the Rust tokenizer encodes a batch in parallel
         encoded = tok.encode_batch(payloads) if hasattr(tok, "encode_batch") else [tok.encode(t, add_special_tokens=False) for t in payloads]
         seqs, masks = [[tok.bos_token_id, *ids, tok.eos_token_id] for ids in encoded], None
     else:
+        # with augment_seed, sample i draws from a Random of its own: the same draws whatever the workers and chunks
         rngs = [None if augment_seed is None else random.Random(f"{augment_seed}:{start + k}") for k in range(len(payloads))]
         seqs, masks = zip(*[encode_sft(tok, c, r) for c, r in zip(payloads, rngs)]) if payloads else ([], [])
     lengths = np.asarray([len(s) for s in seqs], dtype=np.int64)

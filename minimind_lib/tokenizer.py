@@ -96,8 +96,8 @@ def check_text(text: str, where: str = "text") -> None:
 
 
 def check_messages(messages: Sequence[dict]) -> None:
-    """Refuse a conversation the chat template cannot render, naming the message and key at fault. As in MiniMind-3,
-    content None renders as empty (OpenAI clients send it with tool_calls) and a later system message is a turn."""
+    """Refuse a conversation the chat template cannot render, naming the message and key at fault (content None and a
+    later system message are fine: MiniMind-3 renders them as empty content and as an ordinary turn)."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
         raise TypeError(f"messages must be a list of {{'role', 'content'}} dicts, got {type(messages).__name__}")
     for i, m in enumerate(messages):
