@@ -29,7 +29,7 @@ from .tokenizer import ROLES, check_text, check_turn_extras
 KINDS = ("pretrain", "sft")
 PAYLOAD = {"pretrain": "text", "sft": "conversations"}  # the key of a record that holds its sample
 ON_ERROR = ("raise", "skip")
-MEMMAP_FORMAT_VERSION = 1
+MEMMAP_FORMAT_VERSION = 2  # 2: SFT masks train the "\n" after <|im_end|> (MiniMind-3's tokens); older caches rebuild
 MAX_UINT16_VOCAB = 65535  # uint16 stores ids 0..65535, so a vocab of at most 65536 entries; we keep one margin id
 _MAX_EXAMPLES = 5  # how many skipped-line messages to keep for reports
 SYSTEM_PROMPTS = (  # MiniMind-3's pool for its SFT augmentation (augment_minimind3)

@@ -119,7 +119,7 @@ def check_turn_extras(turn: dict, where: str) -> None:
         raise ValueError(f"{where}['reasoning_content'] must be a string, got {type(reasoning).__name__}")
     check_text(reasoning or "", f"{where}['reasoning_content']")
     if (calls := turn.get("tool_calls")) is not None and not isinstance(calls, list):
-        raise ValueError(f"{where}['tool_calls'] must be a list (or its JSON text), got {calls!r:.80}")
+        raise ValueError(f"{where}['tool_calls'] must be a list, got {calls!r:.80}")
     for k, call in enumerate(calls or []):
         call = call.get("function", call) if isinstance(call, dict) else call
         if not (isinstance(call, dict) and isinstance(call.get("name"), str)

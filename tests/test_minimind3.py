@@ -432,3 +432,17 @@ def test_augmentation_draws_as_minimind3(tok, tmp_path):
     assert texts == {tok3.apply_chat_template(conv), tok3.apply_chat_template(conv, empty_think=False)}
     ids, mask = C.encode_sft(tok3, conv, random.Random(next(i for i in range(20) if random.Random(i).random() > 0.2)))
     assert tok3.decode(ids[mask == 1].tolist()) == "a<|im_end|>\n"
+
+
+def test_caches_with_the_old_masks_are_rebuilt(tok, tmp_path):
+    """A memmap tokenized before the newline after <|im_end|> was trained (format 1) is stale, never reused."""
+    src = DATA / "sft_t2t_mini.jsonl"
+    info = C.tokenize_to_memmap(src, tok, tmp_path / "sft", kind="sft", num_workers=0, progress=False)
+    meta_path = Path(info.prefix + ".json")
+    meta_path.write_text(json.dumps(dict(json.loads(meta_path.read_text()), version=1)))
+    assert not C.memmap_is_fresh(info.prefix, src, tok, kind="sft")[0]
+    with pytest.raises(ValueError, match="not a minimind memmap of version 2; rebuild it"):
+        D.SFTDataset(info.prefix, tok, 1024)
+    again = C.tokenize_to_memmap(src, tok, tmp_path / "sft", kind="sft", num_workers=0, progress=False)
+    assert not again.reused and D.SFTDataset(again.prefix, tok, 1024).stats.n_trained_tokens == \
+        D.SFTDataset(src, tok, 1024).stats.n_trained_tokens

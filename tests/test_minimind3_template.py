@@ -98,7 +98,7 @@ def test_empty_think_false_leaves_out_only_empty_blocks(tok3):
     ([{"role": "user", "content": "q", "tool_calls": [{"name": "f", "arguments": {}}]}],
      r"messages\[0\]\['tool_calls'\] is only allowed on an assistant turn, not on a 'user' turn"),
     ([{"role": "assistant", "content": "a", "tool_calls": {"name": "f"}}],
-     r"messages\[0\]\['tool_calls'\] must be a list \(or its JSON text\), got \{'name': 'f'\}"),
+     r"messages\[0\]\['tool_calls'\] must be a list, got \{'name': 'f'\}"),
     ([{"role": "user", "content": 3}], r"messages\[0\]\['content'\] must be str, got int"),
 ])
 def test_bad_fields_are_named(tok3, messages, match):
