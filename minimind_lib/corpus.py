@@ -264,8 +264,8 @@ def tokenize_samples(kind: str, payloads: list, tokenizer=None, augment_seed: in
         seqs, masks = [[tok.bos_token_id, *ids, tok.eos_token_id] for ids in encoded], None
     else:
         # with augment_seed, sample i draws from a Random of its own: the same draws whatever the workers and chunks
-        rngs = [None if augment_seed is None else random.Random(f"{augment_seed}:{start + k}") for k in range(len(payloads))]
-        seqs, masks = zip(*[encode_sft(tok, c, r) for c, r in zip(payloads, rngs)]) if payloads else ([], [])
+        rng = lambda k: None if augment_seed is None else random.Random(f"{augment_seed}:{start + k}")  # noqa: E731
+        seqs, masks = zip(*[encode_sft(tok, c, rng(k)) for k, c in enumerate(payloads)]) if payloads else ([], [])
     lengths = np.asarray([len(s) for s in seqs], dtype=np.int64)
     flat = np.fromiter(itertools.chain.from_iterable(seqs), dtype=np.int64, count=int(lengths.sum()))
     return flat, lengths, (np.concatenate([np.zeros(0, np.uint8), *masks]) if kind == "sft" else None)
