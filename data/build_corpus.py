@@ -8,7 +8,8 @@ Outputs, in MiniMind's own formats so MiniMind's pretrain_hq.jsonl / sft_mini_51
   data/pretrain.jsonl, data/pretrain_val.jsonl   lines {"text": ...}
   data/sft.jsonl                                 lines {"conversations": [{"role": ..., "content": ...}, ...]}
   data/pretrain_t2t_mini.jsonl, data/sft_t2t_mini.jsonl   small examples of MiniMind-3's t2t formats (tools, tool
-      turns, tool_calls, reasoning_content), written by this script from its own templates and computed answers
+      turns, tool_calls, reasoning_content; tools and tool_calls as JSON text, as MiniMind-3 stores them), written by
+      this script from its own templates and computed answers
 
 Usage:
   python data/build_corpus.py               # build from data/raw (fails with the exact command if a package is missing)
@@ -711,9 +712,11 @@ def t2t_sft_record(rng: random.Random, kind: str) -> dict:
         return {"conversations": [{"role": "user", "content": ask},
                                   {"role": "assistant", "content": answer, "reasoning_content": _steps(op, a, b)}]}
     system = "你可以调用工具来计算。" if zh else "You can call tools to compute."
-    turns = [{"role": "system", "content": system, "tools": [T2T_TOOLS[k][0] for k in sorted(T2T_TOOLS)]},
+    # tools and tool_calls as JSON text, as MiniMind-3's sft_t2t files hold them (its dataset declares both as strings)
+    tools, call = [T2T_TOOLS[k][0] for k in sorted(T2T_TOOLS)], [{"name": op, "arguments": {"a": a, "b": b}}]
+    turns = [{"role": "system", "content": system, "tools": json.dumps(tools, ensure_ascii=False)},
              {"role": "user", "content": ask},
-             {"role": "assistant", "content": "", "tool_calls": [{"name": op, "arguments": {"a": a, "b": b}}]},
+             {"role": "assistant", "content": "", "tool_calls": json.dumps(call, ensure_ascii=False)},
              {"role": "tool", "content": json.dumps({"result": result})},
              {"role": "assistant", "content": answer}]
     if rng.random() < 0.5:  # half the tool answers also show the thought that reads the tool's result

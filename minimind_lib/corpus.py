@@ -11,6 +11,7 @@ import itertools
 import json
 import multiprocessing
 import os
+import random
 import time
 import unittest.mock
 import warnings
@@ -28,9 +29,15 @@ from .tokenizer import ROLES, check_text, check_turn_extras
 KINDS = ("pretrain", "sft")
 PAYLOAD = {"pretrain": "text", "sft": "conversations"}  # the key of a record that holds its sample
 ON_ERROR = ("raise", "skip")
-MEMMAP_FORMAT_VERSION = 1
+MEMMAP_FORMAT_VERSION = 2  # 2: SFT masks train the "\n" after <|im_end|> (MiniMind-3's tokens); older caches rebuild
 MAX_UINT16_VOCAB = 65535  # uint16 stores ids 0..65535, so a vocab of at most 65536 entries; we keep one margin id
 _MAX_EXAMPLES = 5  # how many skipped-line messages to keep for reports
+SYSTEM_PROMPTS = (  # MiniMind-3's pool for its SFT augmentation (augment_minimind3)
+    "你是一个知识丰富的AI，尽力为用户提供准确的信息。", "你是minimind，一个小巧但有用的语言模型。", "你是一个专业的AI助手，请提供有价值的回答。",
+    "你是minimind，请尽力帮助用户解决问题。", "你是一个可靠的AI，请给出准确的回答。", "You are a helpful AI assistant.",
+    "You are minimind, a lightweight intelligent assistant.", "You are minimind, a small but useful language model.",
+    "You are a friendly chatbot. Please answer the user's questions carefully.",
+    "You are a knowledgeable AI. Try your best to provide accurate information.")
 
 
 class DataFormatError(ValueError):
@@ -52,7 +59,8 @@ def _check_text(text: Any, where: str, allow_blank: bool = False) -> None:
 
 
 def validate_record(record: Any, kind: str) -> None:
-    """Raise ValueError (message naming the key and value) unless `record` is a valid `kind` sample."""
+    """Raise ValueError (message naming the key and value) unless `record` is a valid `kind` sample (SFT turns as
+    MiniMind-3 reads them, see data/README.md; every tool call answered by its own tool turn, right after it)."""
     check_choice("kind", kind, KINDS)
     if not isinstance(record, dict):
         raise ValueError(f"expected a JSON object, got {type(record).__name__}")
@@ -65,6 +73,7 @@ def validate_record(record: Any, kind: str) -> None:
     conv = record["conversations"]
     if not isinstance(conv, list) or not conv:
         raise ValueError(f"key 'conversations' must be a non-empty list, got {conv!r:.80}")
+    pending = 0  # tool calls not yet answered by a tool turn
     for t, turn in enumerate(conv):
         if not isinstance(turn, dict):
             raise ValueError(f"conversations[{t}] must be an object, got {turn!r:.80}")
@@ -72,13 +81,23 @@ def validate_record(record: Any, kind: str) -> None:
             raise ValueError(f"conversations[{t}] is missing key {missing[0]!r}; keys: {sorted(turn)}")
         if turn["role"] not in ROLES:
             raise ValueError(f"conversations[{t}]['role'] = {turn['role']!r} is not one of {list(ROLES)}")
-        if turn["role"] == "system" and t != 0:
-            raise ValueError(f"conversations[{t}] is a 'system' turn; only the first turn may be one")
-        blank_ok = turn["role"] != "assistant" or bool(turn.get("tool_calls"))  # a turn may only call tools
-        _check_text(turn["content"], f"conversations[{t}]['content']", allow_blank=blank_ok)
-        check_turn_extras(turn, f"conversations[{t}]")
-    if conv[0]["role"] == "system" and not isinstance(tools_of(conv), list):
-        raise ValueError(f"conversations[0]['tools'] must be a list (or its JSON), got {tools_of(conv)!r:.60}")
+        for key in ("tools", "functions"):
+            if turn.get(key) is not None and (t or turn["role"] != "system"):
+                raise ValueError(f"conversations[{t}][{key!r}] is only allowed on the first turn, a system turn")
+        calls = json_field(turn.get("tool_calls"), f"conversations[{t}]['tool_calls']")
+        blank_ok = turn["role"] != "assistant" or bool(calls)  # a turn may only call tools
+        if turn["content"] is not None or not blank_ok:
+            _check_text(turn["content"], f"conversations[{t}]['content']", allow_blank=blank_ok)
+        check_turn_extras(dict(turn, tool_calls=calls), f"conversations[{t}]")
+        for k, call in enumerate(calls or []):
+            json_field((call.get("function") or call)["arguments"], f"conversations[{t}]['tool_calls'][{k}]['arguments']")
+        if pending and turn["role"] != "tool" or turn["role"] == "tool" and not pending:
+            raise ValueError(f"conversations[{t}]: each tool call gets its own 'tool' turn right after the assistant "
+                             f"turn that makes it; {pending} call(s) unanswered before this {turn['role']!r} turn")
+        pending = len(calls or []) if turn["role"] == "assistant" else pending - (turn["role"] == "tool")
+    if pending:
+        raise ValueError(f"conversations ends with {pending} tool call(s) that no 'tool' turn answers")
+    tools_of(conv)  # raises on bad tools
     if not any(turn["role"] == "assistant" for turn in conv):
         raise ValueError("conversations has no 'assistant' turn, so nothing would be trained")
 
@@ -166,34 +185,61 @@ def _read_role(tokenizer, ids: list[int], i: int, header: list[int]) -> tuple[st
 
 
 def assistant_mask(tokenizer, ids: Sequence[int]) -> np.ndarray:
-    """uint8 mask over a chat-template token sequence: 1 on every assistant turn's content and its <|im_end|>, not on
-    the ``\\n`` after it (MiniMind trains it; generation stops at <|im_end|>). Anchored on the atomic special tokens."""
+    """uint8 mask over chat-template ids, MiniMind-3's trained tokens: 1 from after each ``<|im_start|>assistant\\n``
+    up to and including its ``<|im_end|>\\n``, 0 elsewhere. Anchored on the atomic special tokens."""
     ids, header = [int(i) for i in ids], list(tokenizer.encode("assistant\n", add_special_tokens=False))
+    newline = list(tokenizer.encode("\n", add_special_tokens=False))
     n, bos, eos = len(ids), tokenizer.bos_token_id, tokenizer.eos_token_id
     mask = np.zeros(n, dtype=np.uint8)
     for i in [k for k, t in enumerate(ids) if t == bos]:  # every turn starts at an <|im_start|>
         role, start = _read_role(tokenizer, ids, i, header)
         end = next((k for k in range(start, n) if ids[k] in (bos, eos)), n)  # the turn's <|im_end|> (or next start)
-        if role == "assistant":
-            mask[start:end + 1] = 1  # content + <|im_end|> (end is its index when present)
+        if role == "assistant":  # content + <|im_end|> + the "\\n" after it (where present)
+            stop = end + (end < n and ids[end] == eos)
+            mask[start:stop + len(newline) * (stop > end and ids[stop:stop + len(newline)] == newline)] = 1
     return mask
 
 
-def tools_of(conv: list[dict]) -> Any:
-    """The tools a conversation offers: its system turn's "tools" (MiniMind's older name "functions"), parsed if JSON."""
-    tools = conv[0].get("tools", conv[0].get("functions")) if conv[0]["role"] == "system" else None
-    with contextlib.suppress(json.JSONDecodeError, TypeError):
-        tools = json.loads(tools) if isinstance(tools, str) else tools
-    return [] if tools is None else tools
+def json_field(value: Any, where: str) -> Any:
+    """A tools / tool_calls / arguments value: JSON text (MiniMind-3's files) parsed, "" read as absent; else as is."""
+    try:
+        return (json.loads(value) if value.strip() else None) if isinstance(value, str) else value
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where} is not valid JSON ({e.msg} at column {e.colno}): {value!r:.60}") from None
 
 
-def encode_sft(tokenizer, conversations: list[dict]) -> tuple[np.ndarray, np.ndarray]:
-    """An SFT sample: the chat template's ids (int64) and assistant mask (uint8), untruncated; tool results untrained."""
-    keep = ("role", "content", "reasoning_content", "tool_calls")
-    messages = [{k: t[k] for k in keep if t.get(k) is not None} for t in conversations]
+def tools_of(conv: list[dict]) -> list:
+    """The tools of a conversation's system turn ("tools", or MiniMind's older "functions"): a list or its JSON text."""
+    key = "tools" if conv[0].get("tools") is not None else "functions"
+    tools = json_field(conv[0].get(key), f"conversations[0][{key!r}]") if conv[0]["role"] == "system" else None
+    if not isinstance(tools, (list, type(None))):
+        raise ValueError(f"conversations[0][{key!r}] must be a list (or its JSON text), got {tools!r:.60}")
+    for k, tool in enumerate(tools or []):
+        if not (isinstance(tool, dict) and isinstance(tool.get("function"), dict)
+                and isinstance(tool["function"].get("name"), str)):
+            raise ValueError(f"conversations[0][{key!r}][{k}] must be {{'type': 'function', 'function': "
+                             f"{{'name': str, ...}}}}, got {tool!r:.60}")
+    return tools or []
+
+
+def augment_minimind3(conversations: list[dict], rng: random.Random) -> tuple[list[dict], bool]:
+    """MiniMind-3's SFT augmentation, drawn from rng: one of its SYSTEM_PROMPTS put first in 20% of the conversations
+    that have no system turn and no tools; and whether to keep the empty <think> blocks (in 20%, so 80% lose them)."""
+    if conversations[0]["role"] != "system" and not any(t.get("tools") or t.get("functions") for t in conversations):
+        if rng.random() < 0.2:
+            conversations = [{"role": "system", "content": rng.choice(SYSTEM_PROMPTS)}, *conversations]
+    return conversations, rng.random() <= 0.2
+
+
+def encode_sft(tokenizer, conversations: list[dict], rng: random.Random | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """An SFT sample: the chat template's ids (int64) and assistant mask (uint8), untruncated; rng: augment_minimind3."""
+    conversations, empty_think = augment_minimind3(conversations, rng) if rng is not None else (conversations, True)
+    messages = [{k: json_field(t[k], k) if k == "tool_calls" else t[k] for k in ("role", "content", "reasoning_content",
+                 "tool_calls") if k in t and (k == "content" or t[k] is not None)} for t in conversations]
     tools = tools_of(conversations) or None
     # tokenize=True: the template's structure comes from ids, so "<|im_end|>" typed inside content stays text
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=False, tokenize=True, tools=tools)
+    extra = {} if empty_think else {"empty_think": False}  # only the course's Tokenizer knows the argument
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=False, tokenize=True, tools=tools, **extra)
     if isinstance(ids, str):  # a tokenizer whose template only renders text
         ids = tokenizer.encode(ids, add_special_tokens=False)
     ids = np.asarray(ids, dtype=np.int64)
@@ -209,14 +255,17 @@ def _init_worker(tokenizer) -> None:
     _WORKER["tok"] = tokenizer
 
 
-def tokenize_samples(kind: str, payloads: list, tokenizer=None) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """Flat int64 ids, per-sample lengths and (SFT) the flat uint8 trained-token mask of a chunk of samples."""
+def tokenize_samples(kind: str, payloads: list, tokenizer=None, augment_seed: int | None = None,
+                     start: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """Flat int64 ids, per-sample lengths and (SFT) uint8 trained-token mask of the samples `start`, `start` + 1, ..."""
     tok = tokenizer if tokenizer is not None else _WORKER["tok"]
     if kind == "pretrain":  # the Rust tokenizer encodes a batch in parallel
         encoded = tok.encode_batch(payloads) if hasattr(tok, "encode_batch") else [tok.encode(t, add_special_tokens=False) for t in payloads]
         seqs, masks = [[tok.bos_token_id, *ids, tok.eos_token_id] for ids in encoded], None
     else:
-        seqs, masks = zip(*[encode_sft(tok, c) for c in payloads]) if payloads else ([], [])
+        # with augment_seed, sample i draws from a Random of its own: the same draws whatever the workers and chunks
+        rng = lambda k: None if augment_seed is None else random.Random(f"{augment_seed}:{start + k}")  # noqa: E731
+        seqs, masks = zip(*[encode_sft(tok, c, rng(k)) for k, c in enumerate(payloads)]) if payloads else ([], [])
     lengths = np.asarray([len(s) for s in seqs], dtype=np.int64)
     flat = np.fromiter(itertools.chain.from_iterable(seqs), dtype=np.int64, count=int(lengths.sum()))
     return flat, lengths, (np.concatenate([np.zeros(0, np.uint8), *masks]) if kind == "sft" else None)
@@ -227,19 +276,20 @@ def tokenizers_parallelism_off() -> contextlib.AbstractContextManager:
     return unittest.mock.patch.dict(os.environ, {"TOKENIZERS_PARALLELISM": "false"})  # restored on exit
 
 
-def tokenize_reader(reader: JsonlReader, tokenizer, chunk_size: int, num_workers: int) -> Iterator[tuple]:
+def tokenize_reader(reader: JsonlReader, tokenizer, chunk_size: int, num_workers: int,
+                    augment_seed: int | None = None) -> Iterator[tuple]:
     """tokenize_samples of the reader's samples, chunk by chunk in file order, here or in `num_workers` processes."""
     payloads = (record[PAYLOAD[reader.kind]] for record in reader)
-    chunks = iter(lambda: list(itertools.islice(payloads, chunk_size)), [])
+    chunks = enumerate(iter(lambda: list(itertools.islice(payloads, chunk_size)), []))
     if num_workers == 0:
-        yield from (tokenize_samples(reader.kind, chunk, tokenizer) for chunk in chunks)
+        yield from (tokenize_samples(reader.kind, c, tokenizer, augment_seed, k * chunk_size) for k, c in chunks)
         return
     with tokenizers_parallelism_off():
         pool = multiprocessing.get_context().Pool(num_workers, initializer=_init_worker, initargs=(tokenizer,))
     try:  # a bounded number of chunks in flight: Pool.imap would read the whole file ahead into memory
         pending: collections.deque = collections.deque()
-        for chunk in chunks:
-            pending.append(pool.apply_async(tokenize_samples, (reader.kind, chunk)))
+        for k, chunk in chunks:
+            pending.append(pool.apply_async(tokenize_samples, (reader.kind, chunk, None, augment_seed, k * chunk_size)))
             if len(pending) >= 2 * num_workers:
                 yield pending.popleft().get()
         while pending:
@@ -285,23 +335,25 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return h.hexdigest()[:16]
 
 
-def _cache_key(jsonl_path: str | os.PathLike, tokenizer, kind: str, max_samples: int | None, on_error: str) -> dict:
+def _cache_key(jsonl_path: str | os.PathLike, tokenizer, kind: str, max_samples: int | None, on_error: str,
+               augment_seed: int | None = None) -> dict:
     """What a cache was built from; a cache whose key differs from the current one is stale and rebuilt."""
     st = Path(jsonl_path).stat()
     return {"format": "minimind-memmap", "version": MEMMAP_FORMAT_VERSION, "kind": kind,
             "source": {"path": str(Path(jsonl_path).resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns},
             "tokenizer": {"fingerprint": tokenizer_fingerprint(tokenizer), "vocab_size": int(tokenizer.vocab_size)},
-            "max_samples": max_samples, "on_error": on_error}
+            "max_samples": max_samples, "on_error": on_error, "augment_seed": augment_seed}
 
 
 def memmap_is_fresh(out_prefix: str | os.PathLike, jsonl_path: str | os.PathLike, tokenizer, kind: str = "pretrain",
-                    max_samples: int | None = None, on_error: str = "raise") -> tuple[bool, str]:
+                    max_samples: int | None = None, on_error: str = "raise",
+                    augment_seed: int | None = None) -> tuple[bool, str]:
     """(fresh, reason): whether the memmap at out_prefix matches this source file, tokenizer and settings."""
     try:
         meta = read_memmap_meta(str(out_prefix))
     except (OSError, ValueError) as e:  # no cache yet, unreadable, or of another format (JSONDecodeError: ValueError)
         return False, str(e)
-    for key, value in _cache_key(jsonl_path, tokenizer, kind, max_samples, on_error).items():
+    for key, value in _cache_key(jsonl_path, tokenizer, kind, max_samples, on_error, augment_seed).items():
         if meta.get(key) != value:
             return False, f"{key} changed (cache: {meta.get(key)!r:.120}, now: {value!r:.120})"
     sizes = {".bin": 2 * meta["n_tokens"], ".idx.npy": None, **({".mask.bin": meta["n_tokens"]} if kind == "sft" else {})}
@@ -322,24 +374,27 @@ def default_num_workers() -> int:
 def tokenize_to_memmap(jsonl_path: str | os.PathLike, tokenizer, out_prefix: str | os.PathLike,
                        num_workers: int | None = None, kind: str = "pretrain", chunk_size: int = 512,
                        on_error: str = "raise", max_samples: int | None = None, force: bool = False,
-                       progress: bool = True) -> MemmapInfo:
+                       progress: bool = True, augment_seed: int | None = None) -> MemmapInfo:
     """Tokenize a jsonl file once into `<prefix>.bin` (uint16 ids), `.idx.npy` (int64 offsets, n+1), `.mask.bin` (SFT:
     uint8 trained-token mask) and `.json` (written last: it marks a finished cache), streaming the file through
-    `num_workers` processes (0: here); reused while the source file (size, mtime), tokenizer and settings are unchanged."""
+    `num_workers` processes (0: here); reused while the source file (size, mtime), tokenizer and settings are unchanged.
+    augment_seed (SFT): MiniMind-3's augmentation, drawn once per sample here (MiniMind-3 draws again every epoch)."""
     reader = JsonlReader(jsonl_path, on_error=on_error, kind=kind, max_samples=max_samples)
+    if augment_seed is not None and kind != "sft":
+        raise ValueError(f"augment_seed is MiniMind-3's SFT augmentation; a {kind} file has no conversations")
     if int(tokenizer.vocab_size) > MAX_UINT16_VOCAB:
         raise ValueError(f"tokenizer vocab_size={tokenizer.vocab_size} does not fit uint16 token files "
                          f"(max {MAX_UINT16_VOCAB}); this memmap format is for small vocabularies like MiniMind's 6400")
     prefix, t0 = str(out_prefix), time.perf_counter()
     num_workers = default_num_workers() if num_workers is None else int(num_workers)
-    reused = not force and memmap_is_fresh(prefix, jsonl_path, tokenizer, kind, max_samples, on_error)[0]
+    reused = not force and memmap_is_fresh(prefix, jsonl_path, tokenizer, kind, max_samples, on_error, augment_seed)[0]
     if not reused:
-        key = _cache_key(jsonl_path, tokenizer, kind, max_samples, on_error)
+        key = _cache_key(jsonl_path, tokenizer, kind, max_samples, on_error, augment_seed)
         Path(prefix + ".json").unlink(missing_ok=True)  # a half-rebuilt cache must never look finished
         offsets, max_id = [np.zeros(1, np.int64)], -1
         bar = tqdm(total=key["source"]["size"], unit="B", unit_scale=True, desc=f"tokenize {reader.path.name}",
                    disable=not progress)
-        chunks = tokenize_reader(reader, tokenizer, chunk_size, num_workers)
+        chunks = tokenize_reader(reader, tokenizer, chunk_size, num_workers, augment_seed)
         # atomic_open writes beside the target and renames on success: an error leaves no half-written file
         with bar, contextlib.closing(chunks), atomic_open(prefix + ".bin") as fbin, \
                 (atomic_open(prefix + ".mask.bin") if kind == "sft" else contextlib.nullcontext()) as fmask:

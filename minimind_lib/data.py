@@ -69,8 +69,9 @@ class DataStats:
 
 class _TokenDataset(Dataset):
     """Documents as flat token ids + offsets (+ the SFT mask) from a jsonl file or a memmap, cut into rows: a document
-    longer than seq_len is truncated ("truncate", MiniMind's way: the rest is lost, and counted) or, pretraining only,
-    chunked ("chunk") into rows of seq_len tokens overlapping by one: every next-token target is trained once."""
+    longer than seq_len is truncated ("truncate", MiniMind's way: the rest is lost, and counted; a pretraining text
+    keeps its <|im_end|>: bos + text[:seq_len - 2] + eos) or, pretraining only, chunked ("chunk", the course's default
+    for runs) into rows of seq_len tokens overlapping by one: every next-token target is trained once."""
     def __init__(self, source, tokenizer, seq_len: int, *, on_error: str = "raise", max_samples: int | None = None,
                  vocab_size: int | None = None, lazy: bool = False, long_docs: str = "truncate"):
         if int(seq_len) < 2:
@@ -161,7 +162,10 @@ class _TokenDataset(Dataset):
         if self.long_docs == "chunk":
             doc, start = (int(v) for v in self._row_index()[index])
             return make_sample(self.raw(doc)[0][start:start + self.seq_len], None, self.seq_len)
-        return make_sample(*self.raw(index), self.seq_len)
+        ids, mask = self.raw(index)
+        if self.kind == "pretrain" and len(ids) > self.seq_len:  # MiniMind's cut: bos + text[:seq_len - 2] + eos
+            ids = np.concatenate([ids[:self.seq_len - 1], ids[-1:]])
+        return make_sample(ids, mask, self.seq_len)
 
     @functools.cached_property
     def lengths(self) -> np.ndarray:
@@ -184,14 +188,15 @@ class _TokenDataset(Dataset):
 
 
 class PretrainDataset(_TokenDataset):
-    """MiniMind pretrain samples: input_ids = ([bos] + tokens + [eos])[:seq_len], labels = input_ids. `source`: a jsonl
+    """MiniMind pretrain samples: input_ids = [bos] + tokens + [eos], labels = input_ids; a longer text is cut to
+    [bos] + tokens[:seq_len - 2] + [eos] as MiniMind-3 cuts it (long_docs="truncate") or chunked. `source`: a jsonl
     path (tokenized at once in memory; lazy=True: in __getitem__, like MiniMind), a memmap prefix or a memmap-backed
-    dataset (its memmap at this seq_len). Truncation is a plain cut (no fake <|im_end|>)."""
+    dataset (its memmap at this seq_len)."""
     kind = "pretrain"
 
 
 class SFTDataset(_TokenDataset):
-    """MiniMind SFT samples: the chat template's ids; labels = ids on assistant content + <|im_end|>, else -100."""
+    """MiniMind SFT samples: the chat template's ids; labels = ids on assistant replies + <|im_end|>\\n, else -100."""
     kind = "sft"
 
 

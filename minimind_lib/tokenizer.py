@@ -28,10 +28,11 @@ DEFAULT_VOCAB_SIZE = 6400
 DEFAULT_DIR = ASSETS_DIR / "tokenizer"
 TOKENIZER_FILE, CONFIG_FILE = "tokenizer.json", "tokenizer_config.json"
 
-# The chat template as Jinja, for `transformers` users (apply_chat_template is the same in Python; a test compares).
-CHAT_TEMPLATE = ("{%- for message in messages %}"
-                 "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-                 "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+# The chat template as Jinja, for `transformers` users: the same as apply_chat_template for role/content messages (a
+# test compares); tools, tool turns and reasoning are rendered by apply_chat_template only.
+CHAT_TEMPLATE = ("{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + (message['content'] or "
+                 "'') + '<|im_end|>' + '\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant"
+                 "\\n' }}{%- if open_thinking is defined and open_thinking %}{{- '<think>\\n' }}{%- endif %}{%- endif %}")
 TOOLS_TURN = ('# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with '
               'function signatures within <tools></tools> XML tags:\n<tools>{tools}\n</tools>\n\nFor each function '
               'call, return a json object with function name and arguments within <tool_call></tool_call> XML '
@@ -95,7 +96,8 @@ def check_text(text: str, where: str = "text") -> None:
 
 
 def check_messages(messages: Sequence[dict]) -> None:
-    """Refuse a conversation the chat template cannot render, naming the message and key at fault."""
+    """Refuse a conversation the chat template cannot render, naming the message and key at fault (content None and a
+    later system message are fine: MiniMind-3 renders them as empty content and as an ordinary turn)."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
         raise TypeError(f"messages must be a list of {{'role', 'content'}} dicts, got {type(messages).__name__}")
     for i, m in enumerate(messages):
@@ -103,19 +105,21 @@ def check_messages(messages: Sequence[dict]) -> None:
             raise ValueError(f"messages[{i}] must be a dict with keys 'role' and 'content', got {m!r}")
         if m["role"] not in ROLES:
             raise ValueError(f"messages[{i}]['role']={m['role']!r} is not one of {ROLES}")
-        if m["role"] == "system" and i != 0:
-            raise ValueError(f"messages[{i}] is a system message; only messages[0] may be one")
-        check_text(m["content"], f"messages[{i}]['content']")
+        if m["content"] is not None:
+            check_text(m["content"], f"messages[{i}]['content']")
         check_turn_extras(m, f"messages[{i}]")
 
 
 def check_turn_extras(turn: dict, where: str) -> None:
-    """Refuse malformed MiniMind-3 fields of a turn: reasoning_content (text), tool_calls (an assistant's list)."""
+    """Refuse malformed MiniMind-3 fields of a turn: reasoning_content (text), tool_calls (a list), both an assistant's."""
+    for key in ("reasoning_content", "tool_calls"):
+        if turn.get(key) is not None and turn["role"] != "assistant":  # the template would drop it
+            raise ValueError(f"{where}[{key!r}] is only allowed on an assistant turn, not on a {turn['role']!r} turn")
     if (reasoning := turn.get("reasoning_content")) is not None and not isinstance(reasoning, str):
         raise ValueError(f"{where}['reasoning_content'] must be a string, got {type(reasoning).__name__}")
     check_text(reasoning or "", f"{where}['reasoning_content']")
-    if (calls := turn.get("tool_calls")) is not None and (turn["role"] != "assistant" or not isinstance(calls, list)):
-        raise ValueError(f"{where}['tool_calls'] must be a list on an assistant turn, got {calls!r:.80}")
+    if (calls := turn.get("tool_calls")) is not None and not isinstance(calls, list):
+        raise ValueError(f"{where}['tool_calls'] must be a list, got {calls!r:.80}")
     for k, call in enumerate(calls or []):
         call = call.get("function", call) if isinstance(call, dict) else call
         if not (isinstance(call, dict) and isinstance(call.get("name"), str)
@@ -124,17 +128,18 @@ def check_turn_extras(turn: dict, where: str) -> None:
 
 
 def chat_pieces(messages: Sequence[dict], tools: Sequence[dict] | None = None, add_generation_prompt: bool = False,
-                think: bool = False) -> list[tuple[str, bool]]:
+                think: bool = False, open_thinking: bool = False, empty_think: bool = True) -> list[tuple[str, bool]]:
     """The chat template as (text, is_content) pieces: ChatML, plus MiniMind-3's tools block, tool turns (inside a user
-    turn), <tool_call>s and <think> blocks (on every assistant turn when think, else only where reasoning is given)."""
+    turn), <tool_call>s and <think> blocks (on every assistant turn when think, else only where reasoning is given;
+    empty_think=False leaves out the empty ones). open_thinking: the generation prompt opens a <think> block."""
     out = []
     if tools:  # the first system message, if any, goes inside the tools block
-        system = [p for m in messages[:1] if m["role"] == "system" for p in ((m["content"], True), ("\n\n", False))]
+        system = [p for m in messages[:1] if m["role"] == "system" for p in ((m["content"] or "", True), ("\n\n", False))]
         body = TOOLS_TURN.replace("{tools}", "".join("\n" + json.dumps(t, ensure_ascii=False) for t in tools))
         out += [(f"{IM_START}system\n", False), *system, (body + f"{IM_END}\n", False)]
         messages = messages[1:] if system else messages
     for i, m in enumerate(messages):
-        role, content, reasoning = m["role"], m["content"], m.get("reasoning_content")
+        role, content, reasoning = m["role"], m["content"] or "", m.get("reasoning_content")
         if role == "tool":  # consecutive tool results share one user turn
             if i == 0 or messages[i - 1]["role"] != "tool":
                 out.append((f"{IM_START}user", False))
@@ -143,11 +148,12 @@ def chat_pieces(messages: Sequence[dict], tools: Sequence[dict] | None = None, a
                 out.append((f"{IM_END}\n", False))
             continue
         out.append((f"{IM_START}{role}\n", False))
-        thinks = role == "assistant" and bool(think or reasoning)
-        if thinks and reasoning is None and "</think>" in content:  # inline thoughts, as MiniMind-3 reads them
-            reasoning, content = content.split("</think>")[0].split("<think>")[-1], content.split("</think>")[-1]
-        if thinks:
-            out += [("<think>\n", False), ((reasoning or "").strip("\n"), True), ("\n</think>\n\n", False)]
+        if thinks := role == "assistant" and bool(think or reasoning):
+            if reasoning is None and "</think>" in content:  # inline thoughts, as MiniMind-3 reads them
+                reasoning, content = content.split("</think>")[0].split("<think>")[-1], content.split("</think>")[-1]
+                content = content.lstrip("\n")  # before the test for empty content below, as MiniMind-3 does
+            if (reasoning := (reasoning or "").strip("\n")) or empty_think:
+                out += [("<think>\n", False), (reasoning, True), ("\n</think>\n\n", False)]
         out.append((content.lstrip("\n") if thinks else content, True))
         for k, call in enumerate(m.get("tool_calls") or []):
             call = call.get("function", call)  # OpenAI nests {"function": {"name", "arguments"}}
@@ -155,8 +161,8 @@ def chat_pieces(messages: Sequence[dict], tools: Sequence[dict] | None = None, a
             out += [("\n" if k or content else "", False), ('<tool_call>\n{"name": "', False), (call["name"], True),
                     ('", "arguments": ', False), (args, True), ("}\n</tool_call>", False)]
         out.append((f"{IM_END}\n", False))
-    return out + ([(f"{IM_START}assistant\n" + ("<think>\n\n</think>\n\n" if think else ""), False)]
-                  if add_generation_prompt else [])
+    thought = "<think>\n" if open_thinking else "<think>\n\n</think>\n\n" if think else ""
+    return out + ([(f"{IM_START}assistant\n" + thought, False)] if add_generation_prompt else [])
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int = DEFAULT_VOCAB_SIZE,
@@ -214,7 +220,7 @@ class Tokenizer:
         self.bos_token_id, self.eos_token_id, self.pad_token_id, self.unk_token_id = (ids[k] for k in ROLE_KEYS)
         self.endoftext_id, self.im_start_id, self.im_end_id = (ids[name] for name in SPECIAL_TOKENS)
         self.chat_template: str = self.config.get("chat_template", CHAT_TEMPLATE)
-        self.think = "<think>" in self.chat_template  # MiniMind-3's template: every assistant turn has a <think> block
+        self.think = "</think>" in self.chat_template  # MiniMind-3's template: every assistant turn has a <think> block
         markers = {t.content for t in hf.get_added_tokens_decoder().values()} | set(SPECIAL_TOKENS)
         self._special_re = re.compile(f"({'|'.join(map(re.escape, sorted(markers, key=len, reverse=True)))})")
         # A twin that encodes special-token strings as plain text (chat content): no shared flag to switch, no race
@@ -295,11 +301,12 @@ class Tokenizer:
         """decode() for each sequence of a batch."""
         return [self.decode(ids, skip_special_tokens) for ids in batch]
 
-    def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = False,
-                            tokenize: bool = False, tools: Sequence[dict] | None = None) -> str | list[int]:
+    def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = False, tokenize: bool = False,
+                            tools: Sequence[dict] | None = None, open_thinking: bool = False,
+                            empty_think: bool = True) -> str | list[int]:
         """ChatML: '<|im_start|>role\\ncontent<|im_end|>\\n' per message, + MiniMind-3's fields (see chat_pieces)."""
         check_messages(messages)
-        pieces = chat_pieces(messages, tools, add_generation_prompt, self.think)
+        pieces = chat_pieces(messages, tools, add_generation_prompt, self.think, open_thinking, empty_think)
         return self._chat_ids(pieces) if tokenize else "".join(text for text, _ in pieces)
 
     def _chat_ids(self, pieces: list[tuple[str, bool]]) -> list[int]:

@@ -139,20 +139,21 @@ def _newline_after_reply(ids: list[int], mask: list[int], eos_id: int) -> list[i
     return [k + 1 for k in range(len(ids) - 1) if mask[k] and ids[k] == eos_id]
 
 
-def check_02_minimind_mask(fn: Callable, extra_trained: int | None, sft_mm: Any, eos_id: int) -> None:
-    """Exercise 02.1: MiniMind's mask (also the newline after <|im_end|>) and how many more tokens it trains."""
+def check_02_minimind_mask(fn: Callable, fewer_trained: int | None, sft_mm: Any, eos_id: int) -> None:
+    """Exercise 02.1: the mask that stops at <|im_end|> (without MiniMind's newline after it), and how many fewer
+    tokens it trains."""
     def test():
         for i in range(min(50, len(sft_mm))):
             ids, mask = sft_mm.raw(i)[0].tolist(), sft_mm.raw(i)[1].tolist()
             want = list(mask)
             for k in _newline_after_reply(ids, mask, eos_id):
-                want[k] = 1
-            assert [int(m) for m in fn(ids)] == want, f"sample {i}: your mask differs from MiniMind's rule."
+                want[k] = 0
+            assert [int(m) for m in fn(ids)] == want, f"sample {i}: your mask differs from the rule."
         total = sum(len(_newline_after_reply(sft_mm.raw(i)[0].tolist(), sft_mm.raw(i)[1].tolist(), eos_id))
                     for i in range(len(sft_mm)))
-        assert extra_trained == total, "extra_trained: count over every sample of sft_mm, not a few."
-    return verdict("02.1", "start from assistant_mask; after each trained <|im_end|> also set the next position "
-                   "to 1. Then sum(new) - sum(old) over every sft_mm.raw(i)[0].", test, fn, extra_trained)
+        assert fewer_trained == total, "fewer_trained: count over every sample of sft_mm, not a few."
+    return verdict("02.1", "start from assistant_mask; after each trained <|im_end|> set the next position to 0. "
+                   "Then sum(old) - sum(new) over every sft_mm.raw(i)[0].", test, fn, fewer_trained)
 
 
 def check_02_padding_64(value: float | None, lengths: Any) -> None:
@@ -456,7 +457,7 @@ CONVERSATIONS = [
 
 
 def check_08_sft_labels(fn: Callable, tok: Any) -> None:
-    """Exercise 08.1: labels of a conversation: its ids on assistant replies and their <|im_end|>, -100 elsewhere."""
+    """Exercise 08.1: labels of a conversation: its ids on assistant replies and their <|im_end|>\\n, -100 elsewhere."""
     from minimind_lib.corpus import encode_sft
 
     def test():
@@ -467,7 +468,8 @@ def check_08_sft_labels(fn: Callable, tok: Any) -> None:
             assert len(got) == len(want), f"{len(got)} labels for {len(want)} tokens of the template's ids."
             assert got == want, f"labels differ on a conversation of {len(conv)} turns."
     return verdict("08.1", "ids = tok.apply_chat_template(conv, tokenize=True); label = id from each assistant "
-                   "header's end to its <|im_end|> (included), -100 elsewhere (notebook 02, section 3).", test, fn)
+                   "header's end to its <|im_end|> and the newline after it (included), -100 elsewhere (notebook 02, "
+                   "section 3).", test, fn)
 
 
 def check_08_masked_loss(fn: Callable) -> None:

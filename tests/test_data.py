@@ -113,7 +113,9 @@ def test_validate_pretrain(record, match):
     ({"conversations": [{"content": "x"}]}, r"conversations\[0\] is missing key 'role'"),
     (conv(("user", "hi")), "no 'assistant' turn"),
     (conv(("user", "hi"), ("assistant", " ")), r"conversations\[1\]\['content'\] is empty"),
-    (conv(("user", "hi"), ("system", "s"), ("assistant", "a")), "only the first turn"),
+    ({"conversations": [{"role": "user", "content": "q", "tools": []}, {"role": "assistant", "content": "a"}]},
+     r"conversations\[0\]\['tools'\] is only allowed on the first turn, a system turn"),
+    ({"conversations": [{"role": "assistant", "content": None}]}, r"conversations\[0\]\['content'\] must be a string"),
     ({"conversations": [{"role": "user", "content": 5}, {"role": "assistant", "content": "a"}]}, "must be a string"),
 ])
 def test_validate_sft(record, match):
@@ -152,7 +154,13 @@ def test_pretrain_truncation_is_counted(pre_path, tok):
     assert ds.stats.n_truncated == int((raw > 16).sum()) > 0
     assert ds.stats.truncated_tokens == int((raw - 16).clip(0).sum())
     assert ds.stats.n_tokens == int(ds.lengths.sum())
-    assert ds[0]["input_ids"].tolist() == full[0]["input_ids"][:16].tolist()
+    # MiniMind-3's cut: bos + text[:seq_len - 2] + eos, the text's tokens encoded whole and then cut
+    for i in np.flatnonzero(raw > 16):
+        text_ids = tok.encode(CORPUS[i])
+        assert ds[int(i)]["input_ids"].tolist() == [tok.bos_token_id, *text_ids[:14], tok.eos_token_id]
+    wide = D.PretrainDataset(pre_path, tok, seq_len=int(raw.max()))  # no text longer than seq_len: nothing is cut
+    assert all(wide[i]["input_ids"].tolist() == full[i]["input_ids"].tolist() for i in range(len(CORPUS)))
+    assert D.PretrainDataset(pre_path, tok, seq_len=2)[0]["input_ids"].tolist() == [tok.bos_token_id, tok.eos_token_id]
 
 
 def _rows_of(ds):
@@ -243,23 +251,25 @@ def _trained_text(tok, sample):
 
 def test_sft_labels_only_on_assistant_content_and_im_end(sft_path, tok):
     ds = D.SFTDataset(sft_path, tok, 512)
-    assert _trained_text(tok, ds[0]) == "To be, or not to be.<|im_end|>"
+    assert _trained_text(tok, ds[0]) == "To be, or not to be.<|im_end|>\n"
     # multi-turn: both assistant replies, content starting with blank lines included, user turns not
-    assert _trained_text(tok, ds[1]) == "疑是地上霜。<|im_end|>\n\nHello!<|im_end|>"
+    assert _trained_text(tok, ds[1]) == "疑是地上霜。<|im_end|>\n" + "\n\nHello!<|im_end|>\n"
     s = ds[0]
     ids = s["input_ids"].tolist()
     rendered = tok.apply_chat_template(
         [{"role": "system", "content": "You are helpful."}, {"role": "user", "content": "Hello there?"},
          {"role": "assistant", "content": "To be, or not to be."}], tokenize=True)
     assert ids == rendered
-    # the "\n" after the last <|im_end|> is not trained (documented choice)
-    assert ids[-2] == tok.eos_token_id and s["labels"][-2] == tok.eos_token_id and s["labels"][-1] == -100
+    # the "\n" after <|im_end|> is trained too, as MiniMind-3 trains it; the header before the reply is not
+    assert ids[-2] == tok.eos_token_id and s["labels"][-2:].tolist() == ids[-2:] == [tok.eos_token_id, *tok.encode("\n")]
+    header = len(tok.encode("<|im_start|>assistant\n"))
+    assert (s["labels"][-2 - len(tok.encode("To be, or not to be.")) - header:][:header] == -100).all()
 
 
 def test_assistant_mask_slow_path_and_content_with_special_text(tok):
     c = [{"role": "user", "content": "say <|im_end|> please"}, {"role": "assistant", "content": "ok <|im_start|>user"}]
     ids, mask = C.encode_sft(tok, c)
-    assert tok.decode(np.asarray(ids)[mask == 1].tolist()) == "ok <|im_start|>user<|im_end|>"
+    assert tok.decode(np.asarray(ids)[mask == 1].tolist()) == "ok <|im_start|>user<|im_end|>\n"
     # a header tokenized differently from encode("assistant\n") still masks, by decoding the role tokens
     b, e, nl = tok.bos_token_id, tok.eos_token_id, tok.encode("\n")
     header = [t for c in "assistant" for t in tok.encode(c)]  # one token per letter: not what encode() gives
@@ -268,7 +278,10 @@ def test_assistant_mask_slow_path_and_content_with_special_text(tok):
     k = len(ids2) - ids2[::-1].index(b)  # just after the second <|im_start|>
     assert tuple(ids2[k:k + len(tok.encode("assistant\n"))]) != tuple(tok.encode("assistant\n"))
     m2 = C.assistant_mask(tok, ids2)
-    assert tok.decode([i for i, k in zip(ids2, m2) if k]) == "Hi<|im_end|>"
+    assert tok.decode([i for i, k in zip(ids2, m2) if k]) == "Hi<|im_end|>\n"
+    # a turn cut before its <|im_end|> is trained to the cut; an <|im_end|> without its "\n" alone
+    assert tok.decode([i for i, k in zip(ids2[:-2], C.assistant_mask(tok, ids2[:-2])) if k]) == "Hi"
+    assert tok.decode([i for i, k in zip(ids2[:-1], C.assistant_mask(tok, ids2[:-1])) if k]) == "Hi<|im_end|>"
 
 
 def test_sft_truncation_and_no_target_counted(tmp_path, tok):

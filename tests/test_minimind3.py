@@ -238,9 +238,10 @@ def test_tool_role_sft_line_trains_with_its_mask(tok, tmp_path):
     sample = ds[0]
     ids, labels = sample["input_ids"], sample["labels"]
     trained = tok.decode(ids[labels != D.IGNORE_INDEX].tolist())
-    # exactly the two assistant turns (with their <|im_end|>) are trained: the tool call, then thought and answer
-    assert trained == ('<tool_call>\n{"name": "add", "arguments": {"a": 17, "b": 25}}\n</tool_call><|im_end|>'
-                       "<think>\nThe tool returned 42.\n</think>\n\n17 + 25 = 42.<|im_end|>")
+    # exactly the two assistant turns, each up to its "<|im_end|>\n" (MiniMind-3's trained tokens): the tool call, then
+    # thought and answer
+    assert trained == ('<tool_call>\n{"name": "add", "arguments": {"a": 17, "b": 25}}\n</tool_call><|im_end|>\n'
+                       "<think>\nThe tool returned 42.\n</think>\n\n17 + 25 = 42.<|im_end|>\n")
     assert "<tool_response>" in tok.decode(ids.tolist()) and "42\n</tool_response>" not in trained
     torch.manual_seed(0)
     model = MiniMindForCausalLM(MiniMindConfig.preset("smoke"))
@@ -260,13 +261,41 @@ def test_tool_role_sft_line_trains_with_its_mask(tok, tmp_path):
     ([{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "tool_calls": {"name": "f"}}],
      r"conversations\[1\]\['tool_calls'\] must be a list"),
     ([{"role": "user", "content": "q", "tool_calls": []}, {"role": "assistant", "content": "a"}],
-     r"conversations\[0\]\['tool_calls'\] must be a list on an assistant turn"),
+     r"conversations\[0\]\['tool_calls'\] is only allowed on an assistant turn, not on a 'user' turn"),
+    ([{"role": "user", "content": "q", "tool_calls": '[{"name": "f", "arguments": {}}]'},
+      {"role": "assistant", "content": "a"}],
+     r"conversations\[0\]\['tool_calls'\] is only allowed on an assistant turn, not on a 'user' turn"),
+    ([{"role": "user", "content": "q", "reasoning_content": "r"}, {"role": "assistant", "content": "a"}],
+     r"conversations\[0\]\['reasoning_content'\] is only allowed on an assistant turn, not on a 'user' turn"),
+    ([{"role": "user", "content": "q", "tools": TOOLS}, {"role": "assistant", "content": "a"}],
+     r"conversations\[0\]\['tools'\] is only allowed on the first turn, a system turn"),
+    ([{"role": "system", "content": "s", "tools": [{"name": "add"}]}, {"role": "user", "content": "q"},
+      {"role": "assistant", "content": "a"}],
+     r"conversations\[0\]\['tools'\]\[0\] must be \{'type': 'function', 'function': \{'name': str, \.\.\.\}\}"),
+    ([{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": '[{"name": "f", "arg'}],
+     r"conversations\[1\]\['tool_calls'\] is not valid JSON \(Unterminated string"),
+    ([{"role": "user", "content": "q"},
+      {"role": "assistant", "content": "", "tool_calls": [{"name": "f", "arguments": "{'a': 1}"}]},
+      {"role": "tool", "content": "1"}, {"role": "assistant", "content": "a"}],
+     r"conversations\[1\]\['tool_calls'\]\[0\]\['arguments'\] is not valid JSON"),
+    ([{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": [{"name": "f", "arguments": {}}]},
+      {"role": "assistant", "content": "a"}],
+     r"conversations\[2\]: each tool call gets its own 'tool' turn .* 1 call\(s\) unanswered before this 'assistant'"),
+    ([{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": [{"name": "f", "arguments": {}}]}],
+     r"conversations ends with 1 tool call\(s\) that no 'tool' turn answers"),
+    ([{"role": "tool", "content": "42"}, {"role": "assistant", "content": "a"}],
+     r"conversations\[0\]: each tool call gets its own 'tool' turn .* 0 call\(s\) unanswered before this 'tool' turn"),
+    ([{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}, {"role": "tool", "content": "42"},
+      {"role": "assistant", "content": "b"}],
+     r"conversations\[2\]: each tool call gets its own 'tool' turn"),
     ([{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": [{"name": "f"}]}],
      r"conversations\[1\]\['tool_calls'\]\[0\] must be \{'name': str, 'arguments'"),
     ([{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "reasoning_content": 3}],
      r"conversations\[1\]\['reasoning_content'\] must be a string"),
     ([{"role": "system", "content": "s", "tools": "not json"}, {"role": "user", "content": "q"},
-      {"role": "assistant", "content": "a"}], r"conversations\[0\]\['tools'\] must be a list"),
+      {"role": "assistant", "content": "a"}], r"conversations\[0\]\['tools'\] is not valid JSON"),
+    ([{"role": "system", "content": "s", "tools": '{"type": "function"}'}, {"role": "user", "content": "q"},
+      {"role": "assistant", "content": "a"}], r"conversations\[0\]\['tools'\] must be a list \(or its JSON text\)"),
     ([{"role": "function", "content": "42"}, {"role": "assistant", "content": "a"}],
      r"conversations\[0\]\['role'\] = 'function' is not one of"),
     ([{"role": "user", "content": "q"}, {"role": "assistant", "content": ""}],
@@ -280,10 +309,37 @@ def test_bad_t2t_lines_name_file_and_line(tok, tmp_path, turns, match):
         D.SFTDataset(path, tok, seq_len=256)
 
 
-def test_tools_given_as_json_text_are_read(tok):
-    conv = [dict(TOOL_CONV[0], tools=json.dumps(TOOLS)), *TOOL_CONV[1:]]
-    assert C.tools_of(conv) == TOOLS
-    assert C.encode_sft(tok, conv)[0].tolist() == C.encode_sft(tok, TOOL_CONV)[0].tolist()
+def test_tools_and_tool_calls_given_as_json_text_are_read(tok, tmp_path):
+    """MiniMind-3's files hold tools and tool_calls as JSON text: the same sample as with lists, ids and mask."""
+    as_text = [dict(t, **{k: json.dumps(t[k], ensure_ascii=False) for k in ("tools", "tool_calls") if k in t})
+               for t in TOOL_CONV]
+    assert isinstance(as_text[0]["tools"], str) and isinstance(as_text[2]["tool_calls"], str)
+    assert C.tools_of(as_text) == TOOLS
+    for got, want in zip(C.encode_sft(tok, as_text), C.encode_sft(tok, TOOL_CONV)):
+        assert got.tolist() == want.tolist()
+    path = tmp_path / "both.jsonl"  # both forms in one file, read by the dataset
+    path.write_text("".join(json.dumps({"conversations": c}) + "\n" for c in (TOOL_CONV, as_text)), encoding="utf-8")
+    ds = D.SFTDataset(path, tok, seq_len=512)
+    assert ds[0]["input_ids"].tolist() == ds[1]["input_ids"].tolist()
+    assert ds[0]["labels"].tolist() == ds[1]["labels"].tolist()
+    # an OpenAI-style call turn (content None) and MiniMind-3's "" for "no tools / no calls" are read too
+    openai = [dict(t, content=None) if t.get("tool_calls") else t for t in TOOL_CONV]
+    assert C.encode_sft(tok, openai)[0].tolist() == C.encode_sft(tok, TOOL_CONV)[0].tolist()
+    C.validate_record({"conversations": openai}, "sft")
+    plain = [{"role": "system", "content": "s", "tools": ""}, {"role": "user", "content": "q", "tool_calls": ""},
+             {"role": "assistant", "content": "a", "tool_calls": ""}]
+    C.validate_record({"conversations": plain}, "sft")
+    assert tok.decode(C.encode_sft(tok, plain)[0].tolist()).startswith("<|im_start|>system\ns<|im_end|>")
+
+
+def test_a_later_system_turn_is_read_as_minimind3_renders_it(tok):
+    conv = [{"role": "user", "content": "q"}, {"role": "system", "content": "be brief"},
+            {"role": "assistant", "content": "a"}]
+    C.validate_record({"conversations": conv}, "sft")
+    ids, mask = C.encode_sft(tok, conv)
+    assert tok.decode(ids.tolist()) == ("<|im_start|>user\nq<|im_end|>\n<|im_start|>system\nbe brief<|im_end|>\n"
+                                        "<|im_start|>assistant\na<|im_end|>\n")
+    assert tok.decode(ids[mask == 1].tolist()) == "a<|im_end|>\n"
 
 
 # ------------------------------------------------------------------ the bundled t2t examples
@@ -295,6 +351,16 @@ def test_bundled_t2t_files_are_what_the_builder_writes(tmp_path):
     bc.main(["--t2t-only", "--out-dir", str(tmp_path)])
     for name in ("pretrain_t2t_mini.jsonl", "sft_t2t_mini.jsonl"):
         assert (tmp_path / name).read_bytes() == (DATA / name).read_bytes(), f"{name} differs from build_corpus.py's"
+
+
+def test_bundled_sft_t2t_file_is_in_minimind3_format():
+    """tools and tool_calls are JSON text (MiniMind-3's dataset declares both as strings and json.loads them)."""
+    records = [json.loads(line) for line in (DATA / "sft_t2t_mini.jsonl").read_text(encoding="utf-8").splitlines()]
+    fields = [(k, t[k]) for r in records for t in r["conversations"] for k in ("tools", "tool_calls") if k in t]
+    assert {k for k, _ in fields} == {"tools", "tool_calls"} and len(fields) == 40  # 20 tool conversations
+    assert all(isinstance(v, str) and isinstance(json.loads(v), list) for _, v in fields)
+    assert {k for r in records for t in r["conversations"] for k in t} <= {"role", "content", "reasoning_content",
+                                                                           "tools", "tool_calls"}
 
 
 def test_bundled_t2t_files_read_and_train_only_assistant_turns(tok):
@@ -310,7 +376,7 @@ def test_bundled_t2t_files_read_and_train_only_assistant_turns(tok):
         sample = ds[i]
         trained = tok.decode(sample["input_ids"][sample["labels"] != D.IGNORE_INDEX].tolist())
         final = record["conversations"][-1]["content"]
-        assert trained.endswith(final + "<|im_end|>")  # the answer is trained ...
+        assert trained.endswith(final + "<|im_end|>\n")  # the answer is trained, up to its "<|im_end|>\n" ...
         assert record["conversations"][-2]["content"] not in trained  # ... the question or tool result is not
         for turn in record["conversations"]:  # every number in an answer is right (the files hold computed answers)
             if turn["role"] == "assistant" and turn["content"]:
@@ -325,3 +391,58 @@ def test_memory_estimate_covers_qk_norm_and_head_dim():
         est, got = estimate_memory(c, 2, 64, amp=amp), measure_step_memory(c, 2, 64, amp=amp)
         assert est["n_params"] == got["n_params"] == count_parameters(MiniMindForCausalLM(c))["total"]
         assert abs(est["peak_bytes"] / got["peak_bytes"] - 1) < 0.05, (amp, est["peak_bytes"], got["peak_bytes"])
+
+
+# ------------------------------------------------------------------ MiniMind-3's augmentation (an option, off by default)
+def test_augmentation_is_off_by_default_and_seeded(tok, tmp_path):
+    src = DATA / "sft_t2t_mini.jsonl"
+    off = C.tokenize_to_memmap(src, tok, tmp_path / "off", kind="sft", num_workers=0, progress=False)
+    plain = D.SFTDataset(src, tok, seq_len=1024)
+    assert all(D.SFTDataset(off.prefix, tok, 1024)[i]["input_ids"].tolist() == plain[i]["input_ids"].tolist()
+               for i in range(len(plain)))
+    a = C.tokenize_to_memmap(src, tok, tmp_path / "a", kind="sft", num_workers=0, progress=False, augment_seed=0)
+    b = C.tokenize_to_memmap(src, tok, tmp_path / "b", kind="sft", num_workers=2, chunk_size=7, progress=False,
+                             augment_seed=0)  # other workers and chunks: the same draws, per sample
+    c = C.tokenize_to_memmap(src, tok, tmp_path / "c", kind="sft", num_workers=0, progress=False, augment_seed=1)
+    files = lambda info: [Path(info.prefix + ext).read_bytes() for ext in (".bin", ".mask.bin", ".idx.npy")]
+    assert files(a) == files(b) != files(c) != files(off)
+    assert not C.memmap_is_fresh(a.prefix, src, tok, kind="sft")[0]  # the seed is part of the cache's key
+    assert C.memmap_is_fresh(a.prefix, src, tok, kind="sft", augment_seed=0)[0]
+    with pytest.raises(ValueError, match="augment_seed is MiniMind-3's SFT augmentation"):
+        C.tokenize_to_memmap(DATA / "pretrain_t2t_mini.jsonl", tok, tmp_path / "p", augment_seed=0)
+
+
+def test_augmentation_draws_as_minimind3(tok, tmp_path):
+    import random
+    records = [json.loads(line)["conversations"] for line in (DATA / "sft_t2t_mini.jsonl").open(encoding="utf-8")]
+    added, kept = 0, 0
+    for i in range(2000):
+        conv = records[i % len(records)]
+        got, empty_think = C.augment_minimind3(conv, random.Random(i))
+        kept += empty_think
+        if got is not conv:  # a system prompt put first: never where tools or a system turn are
+            assert conv[0]["role"] != "system" and got[1:] == conv and got[0]["content"] in C.SYSTEM_PROMPTS
+            added += 1
+    no_system = sum(records[i % len(records)][0]["role"] != "system" for i in range(2000))
+    assert abs(added / no_system - 0.2) < 0.04 and abs(kept / 2000 - 0.2) < 0.03  # 20%, and 80% lose empty thinks
+    # the draw reaches the template: with a <think> template, an empty block is left out or kept as drawn
+    tok3 = minimind3_tokenizer(tok, tmp_path)
+    conv = [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    texts = {tok3.decode(C.encode_sft(tok3, conv, random.Random(i))[0].tolist()) for i in range(20)}
+    assert texts == {tok3.apply_chat_template(conv), tok3.apply_chat_template(conv, empty_think=False)}
+    ids, mask = C.encode_sft(tok3, conv, random.Random(next(i for i in range(20) if random.Random(i).random() > 0.2)))
+    assert tok3.decode(ids[mask == 1].tolist()) == "a<|im_end|>\n"
+
+
+def test_caches_with_the_old_masks_are_rebuilt(tok, tmp_path):
+    """A memmap tokenized before the newline after <|im_end|> was trained (format 1) is stale, never reused."""
+    src = DATA / "sft_t2t_mini.jsonl"
+    info = C.tokenize_to_memmap(src, tok, tmp_path / "sft", kind="sft", num_workers=0, progress=False)
+    meta_path = Path(info.prefix + ".json")
+    meta_path.write_text(json.dumps(dict(json.loads(meta_path.read_text()), version=1)))
+    assert not C.memmap_is_fresh(info.prefix, src, tok, kind="sft")[0]
+    with pytest.raises(ValueError, match="not a minimind memmap of version 2; rebuild it"):
+        D.SFTDataset(info.prefix, tok, 1024)
+    again = C.tokenize_to_memmap(src, tok, tmp_path / "sft", kind="sft", num_workers=0, progress=False)
+    assert not again.reused and D.SFTDataset(again.prefix, tok, 1024).stats.n_trained_tokens == \
+        D.SFTDataset(src, tok, 1024).stats.n_trained_tokens
