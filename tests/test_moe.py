@@ -201,3 +201,103 @@ def test_kv_cache_steps_equal_the_full_forward():
         first = model(ids[:, :7], use_cache=True)
         step = model(ids[:, 7:], past_key_values=first.past_key_values, use_cache=True)
     torch.testing.assert_close(step.logits, full[:, 7:], atol=1e-5, rtol=1e-4)
+
+
+# ------------------------------------------------------------------ the aux loss in training
+def micro_batches(lengths: list[list[int]], vocab: int = 97, seed: int = 0) -> list[dict]:
+    """Collated micro-batches of random rows of the given lengths (right-padded, pads not trained)."""
+    from minimind_lib.data import pad_collate
+    g = torch.Generator().manual_seed(seed)
+    return [pad_collate([{"input_ids": (ids := torch.randint(1, vocab, (n,), generator=g)), "labels": ids.clone()}
+                         for n in rows]) for rows in lengths]
+
+
+def grads(model) -> torch.Tensor:
+    return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+
+def test_accumulated_aux_is_each_micro_batch_weighted_by_its_tokens():
+    """accumulate_step trains sum_i (LM loss sum_i + n_i * aux_i) / N: the aux of each micro-batch, alone, weighted by
+    its share n_i / N of the step's trained tokens; it reports the LM loss and the aux apart."""
+    from minimind_lib.data import trained_tokens
+    from minimind_lib.train import accumulate_step
+    model = fresh(tiny_moe(router_aux_loss_coef=0.5)).train()
+    mbs = micro_batches([[12, 5, 9], [3], [7, 7]])  # unequal token counts: weights 1/3 each would differ
+    stats = accumulate_step(model, mbs)
+    g_acc = grads(model)
+    model.zero_grad(set_to_none=True)
+    n = [trained_tokens(mb["labels"]) for mb in mbs]
+    total, lm, aux = 0.0, 0.0, 0.0
+    for mb, n_i in zip(mbs, n):  # each micro-batch alone, by the definition
+        out = model(mb["input_ids"], attention_mask=mb["attention_mask"])
+        lm_sum = F.cross_entropy(out.logits[:, :-1].reshape(-1, 97), mb["labels"][:, 1:].reshape(-1), reduction="sum")
+        total = total + (lm_sum + n_i * out.aux_loss) / sum(n)
+        lm, aux = lm + lm_sum.item(), aux + n_i * out.aux_loss.item() / sum(n)
+    total.backward()
+    assert stats["n_tokens"] == sum(n) and math.isclose(stats["loss"], lm / sum(n), rel_tol=1e-5)
+    assert math.isclose(stats["aux_loss"], aux, rel_tol=1e-5) and stats["aux_loss"] > 0
+    torch.testing.assert_close(g_acc, grads(model), atol=1e-7, rtol=1e-4)
+    model.zero_grad(set_to_none=True)  # "naive" is MiniMind-3's loop: (mean LM loss_i + aux_i) / k
+    naive = accumulate_step(model, mbs, normalization="naive")
+    with torch.no_grad():
+        assert math.isclose(naive["aux_loss"], sum(model(mb["input_ids"]).aux_loss.item() for mb in mbs) / 3,
+                            rel_tol=1e-5)
+    assert not math.isclose(naive["aux_loss"], stats["aux_loss"], rel_tol=1e-3)  # the weighting matters here
+
+
+def test_accumulated_equals_unaccumulated_aux():
+    """One micro-batch of all rows, or the same rows split in micro-batches: the same loss, aux and gradient when the
+    micro-batches are alike (here: copies), however many and however large."""
+    from minimind_lib.train import accumulate_step
+    model = fresh(tiny_moe(router_aux_loss_coef=0.5)).train()
+    rows = [[9, 9, 9]]
+    one = micro_batches(rows)[0]
+    whole = {k: torch.cat([v] * 3) for k, v in one.items()}  # 9 rows in one micro-batch
+    results = []
+    for step in ([whole], [one, one, one], [{k: v[:6] for k, v in whole.items()}, one]):
+        model.zero_grad(set_to_none=True)
+        results.append((accumulate_step(model, step), grads(model)))
+    (s0, g0), rest = results[0], results[1:]
+    for s, g in rest:
+        assert math.isclose(s["aux_loss"], s0["aux_loss"], rel_tol=1e-5)
+        assert math.isclose(s["loss"], s0["loss"], rel_tol=1e-5)
+        torch.testing.assert_close(g, g0, atol=1e-7, rtol=1e-4)
+    with torch.no_grad():  # and the aux of that step is the model's own aux loss of the whole batch
+        assert math.isclose(s0["aux_loss"], model(whole["input_ids"]).aux_loss.item(), rel_tol=1e-5)
+
+
+def test_fit_logs_the_aux_loss_as_a_column_only_for_moe():
+    from minimind_lib.train import TrainConfig, fit
+    data = micro_batches([[16, 16], [16, 16], [16, 12]])
+    cfg = TrainConfig(max_steps=3, accum_steps=1, warmup_steps=1, amp="off", progress=False, lr=1e-2)
+    moe = fit(fresh(tiny_moe()), data, cfg, device="cpu")
+    dense = fit(MiniMindForCausalLM(tiny_moe(use_moe=False)), data, cfg, device="cpu")
+    assert "aux_loss" in moe and moe["aux_loss"].gt(0).all() and moe["aux_loss"].lt(0.01).all()  # ~coef * k
+    assert "aux_loss" not in dense
+
+
+# ------------------------------------------------------------------ memory
+@pytest.mark.parametrize("experts, k, amp", [(4, 1, "off"), (8, 3, "off"), (4, 2, "bf16")])
+def test_memory_estimate_counts_the_experts(experts, k, amp):
+    """estimate_memory against one real training step measured by MemoryMeter (fake tensors cannot route tokens)."""
+    from minimind_lib.memory import estimate_memory, measure_step_memory
+    c = tiny_moe(num_experts=experts, num_experts_per_tok=k, max_position_embeddings=128)
+    real = measure_step_memory(c, 4, 64, amp=amp)
+    est = estimate_memory(c, 4, 64, amp=amp)
+    assert est["n_params"] == real["n_params"] == count_parameters(MiniMindForCausalLM(c))["total"]
+    assert abs(est["peak_bytes"] / real["peak_bytes"] - 1) < 0.05  # stated tolerance 5% (seen: within 0.5-1.6%)
+    dense = estimate_memory(tiny_moe(use_moe=False, max_position_embeddings=128), 4, 64, amp=amp)
+    assert est["optimizer_bytes"] - dense["optimizer_bytes"] == 8 * 2 * ((experts - 1) * 3 * 64 * 96 + experts * 64)
+    assert est["activations_bytes"] > dense["activations_bytes"]  # k routed copies of every token, and the router
+    with pytest.raises(ValueError, match="cannot route tokens to experts"):
+        measure_step_memory(c, 1, 8, fake=True)
+
+
+def test_active_parameters_of_the_preset():
+    from minimind_lib.memory import estimate_memory
+    est = estimate_memory(MiniMindConfig.preset("minimind-3-moe"), 1, 8)
+    # all 4 experts are stored, trained and held by AdamW; a token runs 1 of them (and the router): dense + router
+    assert (est["n_params"], est["n_active_params"]) == (198_416_640, 63_912_192 + 8 * 4 * 768)
+    assert est["optimizer_bytes"] == 8 * 198_416_640
+    dense = estimate_memory(MiniMindConfig.preset("minimind-3"), 1, 8)
+    assert dense["n_active_params"] == dense["n_params"] == 63_912_192
