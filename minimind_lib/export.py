@@ -1,7 +1,8 @@
 """A trained model leaves the course, as notebook 08_sft ends: `export_run` writes a run directory in the
-`transformers` format (LlamaForCausalLM, or Qwen3ForCausalLM with q/k norm; model.safetensors; the tokenizer and its
-chat template), `import_hf` reads such a directory back into a run directory. MiniMind's parameter names already
-are Llama's and Qwen3's, so the weights travel unrenamed; transformers is imported only to write its config."""
+`transformers` format (LlamaForCausalLM; Qwen3ForCausalLM with q/k norm; Qwen3MoeForCausalLM with MoE; the weights in
+model.safetensors; the tokenizer and its chat template), `import_hf` reads such a directory back into a run directory.
+MiniMind's parameter names already are theirs, so the weights travel unrenamed; transformers is imported only to write
+its config."""
 
 from __future__ import annotations
 
@@ -20,27 +21,33 @@ from .corpus import tokenizer_fingerprint
 from .model import PRESETS, YARN_SCALING, MiniMindConfig, MiniMindForCausalLM, check_state_dict, save_checkpoint
 from .tokenizer import check_vocab, load_tokenizer
 
-ARCHS = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}  # model_type -> class; qwen3 has q/k norm
+# model_type -> class: Llama's blocks are MiniMind2's, Qwen3's add q/k norm, Qwen3-MoE's (no shared expert) MoE
+ARCHS = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 WEIGHTS_FILE = "model.safetensors"
 SHAPE = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
          "max_position_embeddings", "rms_norm_eps")  # the same name and meaning in both configs
+MOE = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "router_aux_loss_coef")
 # Fields whose other values MiniMind's blocks cannot compute: (the value needed, transformers' default when absent)
 FIXED = {"attention_bias": (False, False), "mlp_bias": (False, False), "tie_word_embeddings": (True, False),
-         "hidden_act": ("silu", "silu"), "use_sliding_window": (False, False), "partial_rotary_factor": (1.0, 1.0)}
+         "hidden_act": ("silu", "silu"), "use_sliding_window": (False, False), "partial_rotary_factor": (1.0, 1.0),
+         "decoder_sparse_step": (1, 1), "mlp_only_layers": ([], [])}  # MoE: every block's FFN is one
 
 
 def hf_config(mcfg: MiniMindConfig, tok, dtype: str = "fp32"):
-    """The transformers config (Llama's, or Qwen3's for q/k norm) that computes what MiniMindForCausalLM computes."""
+    """The transformers config (Llama's; Qwen3's, q/k norm; Qwen3-MoE's) that computes what MiniMind's model does."""
     from transformers import AutoConfig  # here only: the rest of the course runs without transformers
     trained, d = YARN_SCALING["original_max_position_embeddings"], mcfg.head_dim
     yarn = mcfg.inference_rope_scaling and mcfg.max_position_embeddings > trained  # MiniMind stretches only then
     # YaRN's ramp ends at pair head_dim/2 - 1 at the latest in MiniMind, at head_dim - 1 in transformers
     if yarn and math.ceil(d * math.log(trained / (2 * math.pi)) / (2 * math.log(mcfg.rope_theta))) > d // 2 - 1:
         raise RunError(f"rope_theta={mcfg.rope_theta}, head_dim={d}: transformers' YaRN differs from MiniMind's here")
-    kind = "qwen3" if mcfg.qk_norm else "llama"
+    if mcfg.use_moe and not mcfg.qk_norm:
+        raise RunError("use_moe=True, qk_norm=False: Qwen3-MoE, the standard class of MiniMind-3's MoE, has q/k norm")
+    kind = "qwen3_moe" if mcfg.use_moe else "qwen3" if mcfg.qk_norm else "llama"
     rope = {"rope_type": "yarn" if yarn else "default", "rope_theta": mcfg.rope_theta, **(YARN_SCALING if yarn else {})}
-    return AutoConfig.for_model(kind, architectures=[ARCHS[kind]], **{k: getattr(mcfg, k) for k in SHAPE},
+    fields = SHAPE + (MOE if mcfg.use_moe else ())
+    return AutoConfig.for_model(kind, architectures=[ARCHS[kind]], **{k: getattr(mcfg, k) for k in fields},
                                 num_key_value_heads=mcfg.num_key_value_heads, head_dim=d, rope_parameters=rope,
                                 hidden_act="silu", tie_word_embeddings=True, bos_token_id=tok.bos_token_id,
                                 eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, dtype=DTYPES[dtype])
@@ -84,9 +91,11 @@ def minimind_config(c: dict, path: Path) -> MiniMindConfig:
     if kind != "default" and not (yarn and c["max_position_embeddings"] > trained):
         raise RunError(f"{path}: rope scaling {rope} cannot be expressed: the course has only MiniMind-3's YaRN "
                        f"{YARN_SCALING}, with max_position_embeddings above its original_max_position_embeddings")
-    return MiniMindConfig(**{k: c[k] for k in SHAPE}, num_key_value_heads=c.get("num_key_value_heads",
-                          c["num_attention_heads"]), rope_theta=float(rope.get("rope_theta", c.get("rope_theta", 1e4))),
-                          head_dim=c.get("head_dim"), qk_norm=c["model_type"] == "qwen3", inference_rope_scaling=yarn)
+    moe, c = c["model_type"] == "qwen3_moe", {"num_experts": c.get("num_local_experts"), **c}  # 5's name, or 4's
+    return MiniMindConfig(**{k: c[k] for k in SHAPE + (MOE if moe else ())}, head_dim=c.get("head_dim"),
+                          num_key_value_heads=c.get("num_key_value_heads", c["num_attention_heads"]),
+                          rope_theta=float(rope.get("rope_theta", c.get("rope_theta", 1e4))), use_moe=moe,
+                          qk_norm=c["model_type"] != "llama", inference_rope_scaling=yarn)
 
 
 def import_hf(hf_dir: str | Path, run_dir: str | Path, overwrite: bool = False) -> Path:

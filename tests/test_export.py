@@ -28,16 +28,20 @@ from minimind_lib.tokenizer import load_tokenizer  # noqa: E402
 
 torch.set_num_threads(1)
 
-# MiniMind2-small's shape at a tiny size (GQA 4:2, head_dim = hidden / heads, eps 1e-5, no q/k norm), and
-# MiniMind-3's (q/k norm, head_dim apart from hidden / heads, eps 1e-6, YaRN to 32768 positions).
+# MiniMind2-small's shape at a tiny size (GQA 4:2, head_dim = hidden / heads, eps 1e-5, no q/k norm), MiniMind-3's
+# (q/k norm, head_dim apart from hidden / heads, eps 1e-6, YaRN to 32768 positions) and MiniMind-3-MoE's (4 experts of
+# their own width, 2 per token, the chosen scores rescaled to sum to 1).
 CONFIGS = {
     "minimind2-shaped": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                              max_position_embeddings=2048),
     "qk-norm": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=24,
                     intermediate_size=160, rms_norm_eps=1e-6, qk_norm=True, inference_rope_scaling=True,
                     max_position_embeddings=32768),
+    "moe": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+                rms_norm_eps=1e-6, qk_norm=True, use_moe=True, num_experts=4, num_experts_per_tok=2,
+                moe_intermediate_size=96, max_position_embeddings=2048),
 }
-ARCH = {"minimind2-shaped": "LlamaForCausalLM", "qk-norm": "Qwen3ForCausalLM"}
+ARCH = {"minimind2-shaped": "LlamaForCausalLM", "qk-norm": "Qwen3ForCausalLM", "moe": "Qwen3MoeForCausalLM"}
 CONVERSATIONS = [
     [{"role": "user", "content": "Hello, how are you today?"}],
     [{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": "你好，你是谁？"}],
@@ -60,6 +64,8 @@ def make_run(path: Path, tok, seed: int = 0, **config) -> Path:
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.add_(0.2 * torch.randn_like(p))
+            if name.endswith("mlp.gate.weight"):  # a router far from uniform: the experts' weights differ
+                p.mul_(30)
     start_run_dir(path, {"format": RUN_FORMAT, "version": RUN_VERSION, "stage": "pretrain", "model_preset": None,
                          "model": mcfg.to_dict(), "train": {},
                          "tokenizer": {"fingerprint": tokenizer_fingerprint(tok), "vocab_size": tok.vocab_size}},
@@ -223,6 +229,8 @@ def copy_with_config(out: Path, hf: Path, changes: dict) -> Path:
     (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512,
                            "rope_theta": 1e6}), "rope scaling .*yarn"),
     (dict(hidden_size=DROP), "hidden_size"),
+    (dict(decoder_sparse_step=2), "decoder_sparse_step=2"),
+    (dict(mlp_only_layers=[0]), r"mlp_only_layers=\[0\]"),
 ])
 def test_import_refuses_what_the_course_cannot_express(exported, tmp_path, capsys, changes, field):
     hf = copy_with_config(exported[2], tmp_path / "hf", changes)
@@ -264,3 +272,23 @@ def test_yarn_only_when_minimind_applies_it(tok, tmp_path):
     assert config["rope_parameters"] == {"rope_type": "yarn", "rope_theta": 1e6, "factor": 16,
                                          "original_max_position_embeddings": 2048, "beta_fast": 32, "beta_slow": 1,
                                          "attention_factor": 1.0}
+
+
+def test_moe_without_q_k_norm_is_refused_naming_the_fields(tok, tmp_path):
+    run = make_run(tmp_path / "run", tok, **{**CONFIGS["moe"], "qk_norm": False})
+    with pytest.raises(ValueError, match="use_moe=True, qk_norm=False"):
+        export_run(run, tmp_path / "hf")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
+def test_moe_routes_tokens_to_different_experts(tok, tmp_path):
+    """The MoE comparison means something only if tokens take different experts with different weights."""
+    model, _, _ = load_run(make_run(tmp_path / "run", tok, **CONFIGS["moe"]))
+    ids = torch.randint(3, 6400, (2, 48), generator=torch.Generator().manual_seed(1))
+    logits = []
+    hook = model.model.layers[1].mlp.gate.register_forward_hook(lambda module, args, out: logits.append(out))
+    with torch.no_grad():
+        model(ids)
+    hook.remove()
+    top = torch.softmax(logits[0], dim=-1).topk(2, dim=-1)
+    assert len(set(top.indices[:, 0].tolist())) == 4 and top.values.std() > 0.05, top
