@@ -155,11 +155,11 @@ def add_subcommands(subparsers) -> None:
     c.add_argument("--seed", type=int, default=None, help="fix the sampling: same seed, same answer")
     c.add_argument("--device", default=None)
     c.set_defaults(func=cmd_chat)
-    e = subparsers.add_parser("export", help="write a run as a transformers model (Llama, or Qwen3 with q/k norm)")
+    e = subparsers.add_parser("export", help="write a run as a transformers model (Llama, Qwen3 or Qwen3-MoE)")
     e.add_argument("run_dir", help="a finished run directory (config.json, model.pth, tokenizer/)")
     e.add_argument("--to", required=True, help="directory to write: config.json, model.safetensors, tokenizer files")
     e.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="precision of the weights (default fp32)")
-    h = subparsers.add_parser("import-hf", help="turn a transformers Llama/Qwen3 directory into a run directory")
+    h = subparsers.add_parser("import-hf", help="a transformers Llama/Qwen3/Qwen3-MoE directory to a run directory")
     h.add_argument("hf_dir", help="a transformers model directory (config.json, model.safetensors, tokenizer files)")
     h.add_argument("--out", required=True, help="the run directory to write (config.json, model.pth, tokenizer/)")
     for parser in (e, h):

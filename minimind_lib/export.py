@@ -1,8 +1,7 @@
-"""A trained model leaves the course, as notebook 08_sft ends: `export_run` writes a run directory in the
-`transformers` format (LlamaForCausalLM; Qwen3ForCausalLM with q/k norm; Qwen3MoeForCausalLM with MoE; the weights in
-model.safetensors; the tokenizer and its chat template), `import_hf` reads such a directory back into a run directory.
-MiniMind's parameter names already are theirs, so the weights travel unrenamed; transformers is imported only to write
-its config."""
+"""A model leaves the course, as notebook 08_sft ends: `export_run` writes a run directory in the `transformers`
+format (LlamaForCausalLM; Qwen3ForCausalLM with q/k norm; Qwen3MoeForCausalLM with MoE; model.safetensors; the tokenizer
+and its chat template), `import_hf` reads one back into a run directory. MiniMind's parameter names already are those
+classes', so the weights travel unrenamed; transformers is imported only to write its config."""
 
 from __future__ import annotations
 
@@ -18,7 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from .checkpoint import MODEL_FILE, RUN_FORMAT, RUN_VERSION, RunError, check_out_dir, load_run, start_run_dir
 from .corpus import tokenizer_fingerprint
-from .model import PRESETS, YARN_SCALING, MiniMindConfig, MiniMindForCausalLM, check_state_dict, save_checkpoint
+from .model import YARN_SCALING, MiniMindConfig, MiniMindForCausalLM, check_state_dict, save_checkpoint
 from .tokenizer import check_vocab, load_tokenizer
 
 # model_type -> class: Llama's blocks are MiniMind2's, Qwen3's add q/k norm, Qwen3-MoE's (no shared expert) MoE
@@ -39,9 +38,8 @@ def hf_config(mcfg: MiniMindConfig, tok, dtype: str = "fp32"):
     from transformers import AutoConfig  # here only: the rest of the course runs without transformers
     trained, d = YARN_SCALING["original_max_position_embeddings"], mcfg.head_dim
     yarn = mcfg.inference_rope_scaling and mcfg.max_position_embeddings > trained  # MiniMind stretches only then
-    # YaRN's ramp ends at pair head_dim/2 - 1 at the latest in MiniMind, at head_dim - 1 in transformers
     if yarn and math.ceil(d * math.log(trained / (2 * math.pi)) / (2 * math.log(mcfg.rope_theta))) > d // 2 - 1:
-        raise RunError(f"rope_theta={mcfg.rope_theta}, head_dim={d}: transformers' YaRN differs from MiniMind's here")
+        raise RunError(f"rope_theta={mcfg.rope_theta}, head_dim={d}: YaRN's ramp would end past MiniMind's")
     if mcfg.use_moe and not mcfg.qk_norm:
         raise RunError("use_moe=True, qk_norm=False: Qwen3-MoE, the standard class of MiniMind-3's MoE, has q/k norm")
     kind = "qwen3_moe" if mcfg.use_moe else "qwen3" if mcfg.qk_norm else "llama"
@@ -79,12 +77,11 @@ def export_run(run_dir: str | Path, out_dir: str | Path, dtype: str = "fp32", ov
 def minimind_config(c: dict, path: Path) -> MiniMindConfig:
     """The MiniMindConfig of a transformers config.json; RunError naming the field the course cannot express."""
     if c.get("model_type") not in ARCHS:
-        raise RunError(f"{path}: model_type={c.get('model_type')!r} (architectures {c.get('architectures')}) is not "
-                       f"one the course reads; it reads {sorted(ARCHS.values())}")
+        raise RunError(f"{path}: model_type={c.get('model_type')!r} ({c.get('architectures')}): the course reads "
+                       f"{sorted(ARCHS.values())} only")
     for key, (need, default) in FIXED.items():
         if c.get(key, default) != need:
-            raise RunError(f"{path}: {key}={c.get(key, default)!r} is a shape the course's model cannot express "
-                           f"(it has {key}={need!r})")
+            raise RunError(f"{path}: {key}={c.get(key, default)!r}: the course's model has {key}={need!r} only")
     rope = c.get("rope_parameters") or c.get("rope_scaling") or {}  # transformers 5 or 4
     kind, trained = rope.get("rope_type", rope.get("type", "default")), YARN_SCALING["original_max_position_embeddings"]
     yarn = kind == "yarn" and {k: rope.get(k) for k in YARN_SCALING} == YARN_SCALING
@@ -116,15 +113,12 @@ def import_hf(hf_dir: str | Path, run_dir: str | Path, overwrite: bool = False) 
         raise RunError(f"{hf_dir / WEIGHTS_FILE}: cannot read the weights ({type(e).__name__}: {e})") from None
     emb, model = state.get("model.embed_tokens.weight"), MiniMindForCausalLM(mcfg)
     if emb is not None and not torch.equal(state.setdefault("lm_head.weight", emb), emb):  # written once, if tied
-        raise RunError(f"{hf_dir / WEIGHTS_FILE}: lm_head.weight differs from model.embed_tokens.weight (an untied "
-                       f"head); the course's model ties them")
+        raise RunError(f"{hf_dir / WEIGHTS_FILE}: lm_head.weight is not model.embed_tokens.weight: an untied head")
     check_state_dict(state, model, hf_dir / WEIGHTS_FILE)  # names the first missing, extra or mis-shaped key
     model.load_state_dict(state, strict=True)
     check_out_dir(out, resume=False, overwrite=overwrite)  # everything checked: only now is anything written
-    preset = next((name for name in PRESETS if MiniMindConfig.preset(name) == mcfg), None)
-    start_run_dir(out, {"format": RUN_FORMAT, "version": RUN_VERSION, "stage": "import", "model_preset": preset,
-                        "model": mcfg.to_dict(), "train": None, "source": str(hf_dir.resolve()),
-                        "tokenizer": {"fingerprint": tokenizer_fingerprint(tok), "vocab_size": tok.vocab_size}},
-                  tok, resume=False)
+    start_run_dir(out, {"format": RUN_FORMAT, "version": RUN_VERSION, "stage": "import", "model_preset": None,
+                        "model": mcfg.to_dict(), "train": None, "source": str(hf_dir.resolve()), "tokenizer":
+                        {"fingerprint": tokenizer_fingerprint(tok), "vocab_size": tok.vocab_size}}, tok, resume=False)
     save_checkpoint(model, out / MODEL_FILE)
     return out
