@@ -144,6 +144,22 @@ def test_export_then_import_gives_back_the_same_model_pth(exported, tmp_path):
     assert (back / "tokenizer" / "tokenizer.json").read_bytes() == (run / "tokenizer" / "tokenizer.json").read_bytes()
 
 
+def test_import_reads_a_config_in_transformers_4_layout(exported, tmp_path):
+    """transformers 4 wrote rope_theta and rope_scaling at the top, num_experts by that name, head_dim only if set."""
+    _, run, out = exported
+    config = json.loads((out / "config.json").read_text())
+    rope = config["rope_parameters"]
+    v4 = {"rope_parameters": DROP, "rope_theta": rope["rope_theta"],
+          "rope_scaling": None if rope["rope_type"] == "default" else {k: v for k, v in rope.items() if k != "rope_theta"}}
+    if config["head_dim"] == config["hidden_size"] // config["num_attention_heads"]:
+        v4["head_dim"] = DROP
+    if "num_local_experts" in config:
+        v4.update(num_local_experts=DROP, num_experts=config["num_local_experts"])
+    back = import_hf(copy_with_config(out, tmp_path / "hf4", v4), tmp_path / "back")
+    assert (back / "model.pth").read_bytes() == (run / "model.pth").read_bytes()
+    assert json.loads((back / "config.json").read_text())["model"] == json.loads((run / "config.json").read_text())["model"]
+
+
 @pytest.mark.parametrize("dtype, torch_dtype, bits", [("bf16", torch.bfloat16, 16), ("fp16", torch.float16, 16),
                                                       ("fp32", torch.float32, 32)])
 def test_dtype_sets_the_weights_precision(tok, tmp_path, dtype, torch_dtype, bits):
@@ -292,3 +308,22 @@ def test_moe_routes_tokens_to_different_experts(tok, tmp_path):
     hook.remove()
     top = torch.softmax(logits[0], dim=-1).topk(2, dim=-1)
     assert len(set(top.indices[:, 0].tolist())) == 4 and top.values.std() > 0.05, top
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_import_of_a_model_transformers_wrote(tok, tmp_path, model_type):
+    """A Llama / Qwen3 checkpoint saved by transformers itself (not by export_run) becomes a run with its logits."""
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.for_model(model_type, vocab_size=6400, hidden_size=64, intermediate_size=128,
+                                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
+                                               head_dim=32, max_position_embeddings=1024, rms_norm_eps=1e-5,
+                                               rope_parameters={"rope_type": "default", "rope_theta": 5e5},
+                                               tie_word_embeddings=True)
+    theirs = transformers.AutoModelForCausalLM.from_config(config).eval()
+    theirs.save_pretrained(tmp_path / "hf")
+    tok.save(tmp_path / "hf")
+    ours, _, _ = load_run(import_hf(tmp_path / "hf", tmp_path / "back"))
+    assert (ours.config.head_dim, ours.config.qk_norm, ours.config.rope_theta) == (32, model_type == "qwen3", 5e5)
+    ids = torch.randint(3, 6400, (1, 40), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert (ours(ids).logits - theirs(ids).logits).abs().max().item() < 1e-4
