@@ -327,3 +327,12 @@ def test_import_of_a_model_transformers_wrote(tok, tmp_path, model_type):
     ids = torch.randint(3, 6400, (1, 40), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         assert (ours(ids).logits - theirs(ids).logits).abs().max().item() < 1e-4
+
+
+def test_yarn_that_transformers_computes_otherwise_is_refused(tok, tmp_path):
+    """With a small head_dim and theta, MiniMind ends YaRN's ramp at pair head_dim/2 - 1, transformers later."""
+    run = make_run(tmp_path / "run", tok, hidden_size=16, num_hidden_layers=1, num_attention_heads=4,
+                   num_key_value_heads=2, rope_theta=1e4, inference_rope_scaling=True, max_position_embeddings=4096)
+    with pytest.raises(ValueError, match="rope_theta=10000.0, head_dim=4: YaRN's ramp"):
+        export_run(run, tmp_path / "hf")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
