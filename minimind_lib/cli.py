@@ -17,6 +17,7 @@ import sys
 
 from .checkpoint import load_run
 from .device import device_report
+from .export import DTYPES, export_run, import_hf
 from .generate import chat
 from .pipeline import pretrain, sft
 from .profiles import get_profile
@@ -126,8 +127,15 @@ def cmd_chat(args: argparse.Namespace) -> int:
             print(chat(line, model, tok, **opts), flush=True)
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    """`export`: a run directory to the transformers format; `import-hf`: such a directory to a run directory."""
+    print(export_run(args.run_dir, args.to, args.dtype, args.overwrite) if args.command == "export"
+          else import_hf(args.hf_dir, args.out, args.overwrite))  # the directory written
+    return 0
+
+
 def add_subcommands(subparsers) -> None:
-    """Register info, pretrain, sft and chat on an argparse subparsers object."""
+    """Register info, pretrain, sft, chat, export and import-hf on an argparse subparsers object."""
     i = subparsers.add_parser("info", help="print device and profile facts as JSON")
     i.add_argument("--profile", default=None, help="profile name (default: MINIMIND_PROFILE or auto)")
     i.add_argument("--compact", action="store_true", help="one-line JSON")
@@ -147,6 +155,16 @@ def add_subcommands(subparsers) -> None:
     c.add_argument("--seed", type=int, default=None, help="fix the sampling: same seed, same answer")
     c.add_argument("--device", default=None)
     c.set_defaults(func=cmd_chat)
+    e = subparsers.add_parser("export", help="write a run as a transformers model (Llama, Qwen3 or Qwen3-MoE)")
+    e.add_argument("run_dir", help="a finished run directory (config.json, model.pth, tokenizer/)")
+    e.add_argument("--to", required=True, help="directory to write: config.json, model.safetensors, tokenizer files")
+    e.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="precision of the weights (default fp32)")
+    h = subparsers.add_parser("import-hf", help="a transformers Llama/Qwen3/Qwen3-MoE directory to a run directory")
+    h.add_argument("hf_dir", help="a transformers model directory (config.json, model.safetensors, tokenizer files)")
+    h.add_argument("--out", required=True, help="the run directory to write (config.json, model.pth, tokenizer/)")
+    for parser in (e, h):
+        parser.add_argument("--overwrite", action="store_true", help="replace what the same command wrote there")
+        parser.set_defaults(func=cmd_export)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -178,7 +178,8 @@ class DDPController:
             self.grad_callback(self.step, self.model)
         self.step += 1
         return {"loss_sum": float(stats["loss_sum"]), "n_tokens": n_global, "rank_tokens": n_local,
-                "rank_micro_batches": len(micro), "world_size": self.info.world_size, "events": []}
+                "rank_micro_batches": len(micro), "world_size": self.info.world_size, "events": [],
+                **{k: stats[k] for k in ("aux_loss",) if k in stats}}  # a MoE model's global aux loss
 
     def state_dict(self) -> dict:
         """The global step only: valid when resuming with any number of ranks."""

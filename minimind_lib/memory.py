@@ -168,7 +168,10 @@ def estimate_memory(config, batch_size: int, seq_len: int, amp: str = "off", opt
       two RMSNorms saves its input x and the normalised x (fp32, for the gain's gradient), and the projection after
       it saves the norm's output (s bytes): 2 * (4 + 4 + s) NC; attention saves q, the repeated k and v and its
       output (4NC * s; k and v are N*n_kv*D each when not repeated); SwiGLU saves gate, silu(gate), up and their
-      product (4NF * s). The final norm adds (4 + 4 + s) NC.
+      product (4NF * s). The final norm adds (4 + 4 + s) NC. A mixture of experts (use_moe: E experts of width F,
+      k per token) holds all E experts in P but only its N*k routed rows in activations: each saves the SwiGLU's 4F,
+      its gathered input and weighted output (2C at s, one more under autocast, where the sum is cast back), the
+      float32 copy the index_add saves (4C); the router saves scores, choices and weights (~(4E + 36k + 4) N).
     - the head: the logits (NV * s, held by the caller), cross-entropy's fp32 log-softmax (4NV), and at the start
       of backward the gradients of the log-probs and of the logits (2 * 4NV) while those still live.
     The peak is the larger of: the start of backward (params + buffers + optimizer states of earlier steps +
@@ -181,20 +184,25 @@ def estimate_memory(config, batch_size: int, seq_len: int, amp: str = "off", opt
     c, n, s = config, batch_size * seq_len, _AMP_BYTES[amp]
     C, F, V, L, kv = c.hidden_size, c.intermediate_size, c.vocab_size, c.num_hidden_layers, c.num_key_value_heads * c.head_dim
     q, qk = c.num_attention_heads * c.head_dim, 2 * c.head_dim if c.qk_norm else 0  # MiniMind-3: q/k norm gains
-    # tied embedding / lm_head + per layer q,o + k,v + gate,up,down + 2 norms (+ q/k norms) + the final norm
-    P = V * C + L * (2 * C * q + 2 * C * kv + 3 * C * F + 2 * C + qk) + C
+    E, k, Fe = (c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size) if c.use_moe else (0, 0, 0)
+    ffn = E * (3 * C * Fe + C) if c.use_moe else 3 * C * F  # experts and router, or gate, up, down
+    # tied embedding / lm_head + per layer q,o + k,v + FFN + 2 norms (+ q/k norms) + the final norm
+    P = V * C + L * (2 * C * q + 2 * C * kv + ffn + 2 * C + qk) + C
     params, grads, opt_states = 4 * P, 4 * P, _OPTIMIZERS[optimizer][0] * 4 * P
     buffers = 2 * c.max_position_embeddings * c.head_dim * 4
     amp_weight_copies = 0 if amp == "off" else 2 * P
     kv_saved = 2 * n * (C if c.num_attention_heads != c.num_key_value_heads else kv)
     norm_saved = n * C * (4 + 4 + s)  # input, normalised input (fp32), output as the next matmul's input
     qk_saved = n * (q + kv) * (4 + 4) if c.qk_norm else 0  # each q/k norm saves its input and normalised input
-    activations = L * (2 * norm_saved + qk_saved + (2 * n * C + kv_saved + 4 * n * F) * s) + norm_saved
+    ffn_saved = 4 * n * F * s if not c.use_moe else (
+        n * k * ((4 * Fe + (2 if amp == "off" else 3) * C) * s + 4 * C) + n * (4 * E + 36 * k + 4))
+    activations = L * (2 * norm_saved + qk_saved + (2 * n * C + kv_saved) * s + ffn_saved) + norm_saved
     head = n * V * s + n * V * 4 + 2 * n * V * 4
     backward_start = params + buffers + opt_states + amp_weight_copies + activations + head
     return {"params_bytes": params, "buffers_bytes": buffers, "grads_bytes": grads, "optimizer_bytes": opt_states,
             "amp_weight_copies_bytes": amp_weight_copies, "activations_bytes": activations, "head_bytes": head,
-            "peak_bytes": max(backward_start, params + buffers + grads + opt_states), "n_params": P}
+            "peak_bytes": max(backward_start, params + buffers + grads + opt_states), "n_params": P,
+            "n_active_params": P - L * (E - k) * 3 * C * Fe}  # those a token's forward uses (MoE: k of E experts)
 
 
 def measure_step_memory(config, batch_size: int, seq_len: int, amp: str = "off", optimizer: str = "adamw",
@@ -203,6 +211,9 @@ def measure_step_memory(config, batch_size: int, seq_len: int, amp: str = "off",
     fake=True runs on FakeTensors (storages without arithmetic or real memory): the same count, for sizes this machine
     cannot hold. amp autocasts the forward (a GradScaler would not change memory)."""
     _check_step_args(batch_size, seq_len, amp, optimizer)
+    if fake and config.use_moe:  # each expert's row count is data-dependent: a fake tensor has no values to route
+        raise ValueError("measure_step_memory(fake=True) cannot route tokens to experts (use_moe): fake tensors hold "
+                         "no values; measure a mixture of experts for real (fake=False) at a size this machine holds")
     device = torch.device("cpu") if fake else torch.device(device)  # fake tensors: bytes are device-independent
     meter = MemoryMeter(device)
     with FakeTensorMode() if fake else contextlib.nullcontext():

@@ -1,7 +1,8 @@
 """The MiniMind language model, built piece by piece in notebook 03_model: RMSNorm, RoPE, GQA, SwiGLU, checkpoints.
 
 Read it top to bottom, like nanoGPT. Architecture and parameter names are exactly MiniMind2's (see DESIGN.md) and,
-with qk_norm (preset "minimind-3"), MiniMind-3's: a MiniMind ``.pth`` state dict loads with ``strict=True``.
+with qk_norm (preset "minimind-3") and use_moe ("minimind-3-moe"), MiniMind-3's: a MiniMind ``.pth`` state dict
+loads with ``strict=True``.
 
     x -> embed_tokens -> [ x + attn(norm(x)); x + mlp(norm(x)) ] * L -> norm -> lm_head (tied to embed_tokens)"""
 
@@ -37,6 +38,12 @@ class MiniMindConfig:
     head_dim: int | None = None  # None: hidden_size // num_attention_heads (MiniMind-3 may set it apart)
     qk_norm: bool = False  # MiniMind-3: a per-head RMSNorm on queries and keys, before RoPE
     inference_rope_scaling: bool = False  # MiniMind-3's YaRN (YARN_SCALING), to run past the trained length
+    use_moe: bool = False  # MiniMind-3-MoE: every block's FFN is a mixture of experts (MoEFeedForward)
+    num_experts: int = 4
+    num_experts_per_tok: int = 1  # k: the experts each token is sent to
+    moe_intermediate_size: int | None = None  # None: intermediate_size (each expert as wide as the dense FFN)
+    norm_topk_prob: bool = True  # rescale the k chosen router scores to sum to 1
+    router_aux_loss_coef: float = 5e-4  # weight of the load-balancing loss added in training
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size",
@@ -45,6 +52,14 @@ class MiniMindConfig:
                 raise ValueError(f"MiniMindConfig.{name}={getattr(self, name)!r}: must be a positive integer")
         if self.intermediate_size is None:
             self.intermediate_size = 64 * math.ceil(int(self.hidden_size * 8 / 3) / 64)
+        if self.moe_intermediate_size is None:
+            self.moe_intermediate_size = self.intermediate_size
+        for name in ("num_experts", "moe_intermediate_size"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
+                raise ValueError(f"MiniMindConfig.{name}={getattr(self, name)!r}: must be a positive integer")
+        if not isinstance(self.num_experts_per_tok, int) or not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"MiniMindConfig.num_experts_per_tok={self.num_experts_per_tok!r}: must be an integer "
+                             f"from 1 to num_experts={self.num_experts}")
         if self.head_dim is None and self.hidden_size % self.num_attention_heads != 0:
             raise ValueError(f"hidden_size={self.hidden_size} is not divisible by "
                              f"num_attention_heads={self.num_attention_heads}; set head_dim explicitly")
@@ -58,7 +73,7 @@ class MiniMindConfig:
 
     @classmethod
     def preset(cls, name: str, **overrides) -> "MiniMindConfig":
-        """A named configuration: 'minimind2-small', 'minimind-3', 'cpu' or 'smoke' (plus optional field overrides)."""
+        """A named configuration of PRESETS, e.g. 'minimind2-small', 'minimind-3' or 'smoke' (plus field overrides)."""
         if name not in PRESETS:
             raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}")
         return cls(**{**PRESETS[name], **overrides})
@@ -87,6 +102,8 @@ PRESETS: dict[str, dict] = {
     "smoke": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   max_position_embeddings=2048),
 }
+# MiniMind-3-MoE exactly: each FFN becomes 4 experts of width 2432 and a router, a token uses 1; 198,416,640 parameters.
+PRESETS["minimind-3-moe"] = {**PRESETS["minimind-3"], "use_moe": True}
 # MiniMind-3's inference_rope_scaling: YaRN stretching a 2048-token training length 16 times (to 32768).
 YARN_SCALING = dict(factor=16, original_max_position_embeddings=2048, beta_fast=32, beta_slow=1, attention_factor=1.0)
 
@@ -219,16 +236,47 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
-    def __init__(self, config: MiniMindConfig):
+    """SwiGLU: down(silu(gate(x)) * up(x)), of width config.intermediate_size unless `width` is given (an expert)."""
+    def __init__(self, config: MiniMindConfig, width: int | None = None):
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        width = width or config.intermediate_size
+        self.gate_proj = nn.Linear(config.hidden_size, width, bias=False)
+        self.down_proj = nn.Linear(width, config.hidden_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, width, bias=False)
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.dropout(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))
+
+
+class MoEFeedForward(nn.Module):
+    """MiniMind-3's mixture of experts: a router (`gate`) scores E SwiGLU experts per token; the token's output is the
+    sum of its top-k experts' outputs weighted by their scores. In training, `aux_loss` holds the load-balancing loss
+    coef * E * sum_e load_e * mean_score_e (load_e: picks of e per token), smallest when tokens spread evenly."""
+    def __init__(self, config: MiniMindConfig):
+        super().__init__()
+        self.k, self.norm_topk_prob = config.num_experts_per_tok, config.norm_topk_prob
+        self.aux_coef = config.router_aux_loss_coef
+        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
+        self.experts = nn.ModuleList(FeedForward(config, config.moe_intermediate_size)
+                                     for _ in range(config.num_experts))
+        self.aux_loss: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape, x = x.shape, x.reshape(-1, x.shape[-1])  # (N, C): routing is per token
+        scores = F.softmax(self.gate(x), dim=-1)  # (N, E)
+        weights, chosen = torch.topk(scores, self.k, dim=-1)  # (N, k)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        y = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):  # every expert runs, on its tokens only (maybe none: grads of 0)
+            token, slot = torch.where(chosen == e)  # a token picks an expert at most once
+            y.index_add_(0, token, (expert(x[token]) * weights[token, slot, None]).to(y.dtype))
+        self.aux_loss = None
+        if self.training and self.aux_coef > 0:  # all N positions count, padding included (as MiniMind-3's)
+            load = F.one_hot(chosen, len(self.experts)).sum(1).float().mean(0)  # (E,), sums to k
+            self.aux_loss = self.aux_coef * len(self.experts) * (load * scores.mean(0)).sum()
+        return y.view(shape)
 
 
 class MiniMindBlock(nn.Module):
@@ -238,7 +286,7 @@ class MiniMindBlock(nn.Module):
         self.self_attn = Attention(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = FeedForward(config)
+        self.mlp = MoEFeedForward(config) if config.use_moe else FeedForward(config)
 
     def forward(self, x, cos, sin, mask=None, past_key_value=None, use_cache=False):
         h, present = self.self_attn(self.input_layernorm(x), cos, sin, mask, past_key_value, use_cache)
@@ -294,10 +342,11 @@ class MiniMindModel(nn.Module):
 
 @dataclass
 class CausalLMOutput:
-    """What MiniMindForCausalLM.forward returns."""
+    """What MiniMindForCausalLM.forward returns (aux_loss: the MoE layers' load-balancing loss, in training)."""
     logits: torch.Tensor
     loss: torch.Tensor | None = None
     past_key_values: list | None = None
+    aux_loss: torch.Tensor | None = None
 
 
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
@@ -332,13 +381,15 @@ class MiniMindForCausalLM(nn.Module):
                 attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
                 past_key_values: list | None = None, use_cache: bool = False,
                 logits_to_keep: int = 0) -> CausalLMOutput:
-        """Logits (B, T, V); loss (mean over non -100 shifted labels) when labels are given; KV cache if asked."""
+        """Logits (B, T, V); loss (mean over non -100 shifted labels) when labels are given; KV cache if asked;
+        aux_loss summed over the MoE layers in training (not in `loss`: the training loop adds it, as MiniMind-3's)."""
         h, presents = self.model(input_ids, attention_mask, position_ids, past_key_values, use_cache)
         if logits_to_keep:  # generation only needs the last position(s)
             h = h[:, -logits_to_keep:]
         logits = self.lm_head(h)
         loss = lm_loss(logits, labels) if labels is not None else None
-        return CausalLMOutput(logits=logits, loss=loss, past_key_values=presents)
+        aux = [layer.mlp.aux_loss for layer in self.model.layers if getattr(layer.mlp, "aux_loss", None) is not None]
+        return CausalLMOutput(logits=logits, loss=loss, past_key_values=presents, aux_loss=sum(aux) if aux else None)
 
 
 # ---- Parameter counting

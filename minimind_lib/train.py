@@ -86,12 +86,15 @@ def _to_device(batch: dict, device: torch.device) -> dict:
     return {k: (v.to(device, non_blocking=True) if torch.is_tensor(v) else v) for k, v in batch.items()}
 
 
-def forward_logits(model: nn.Module, batch: dict, amp_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """The logits for one collated batch (with its attention_mask, position_ids), under autocast to amp_dtype if set."""
+def forward_logits(model: nn.Module, batch: dict, amp_dtype: torch.dtype | None = None,
+                   with_aux: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
+    """The logits for one collated batch (with its attention_mask, position_ids), under autocast to amp_dtype if set;
+    with_aux: (logits, the MoE load-balancing loss or None)."""
     kwargs = {k: batch[k] for k in ("attention_mask", "position_ids") if batch.get(k) is not None}
     with torch.autocast(batch["input_ids"].device.type, dtype=amp_dtype, enabled=amp_dtype is not None):  # notebook 05
         out = model(batch["input_ids"], **kwargs)
-    return out.logits if hasattr(out, "logits") else out
+    logits = out.logits if hasattr(out, "logits") else out
+    return (logits, getattr(out, "aux_loss", None)) if with_aux else logits
 
 
 # 2. The schedule (04, section 2) --------------------------------------------------------------------------------
@@ -146,7 +149,15 @@ def accumulate_step(model: nn.Module, micro_batches: Sequence[dict], *, amp_dtyp
                     scaler: torch.amp.GradScaler | None = None, device: torch.device | str | None = None,
                     n_tokens_total: int | None = None, normalization: str = "token") -> dict:
     """Forward+backward over the micro-batches of one optimizer step; gradients add up in .grad (no update).
-    Returns loss_sum, n_tokens, loss (their ratio), micro_batches, rows and padded_tokens."""
+    Returns loss_sum, n_tokens, loss (their ratio), micro_batches, rows and padded_tokens; with a MoE model also
+    aux_loss, the step's load-balancing loss, which is added to the loss trained but not to `loss`.
+
+    The aux loss of a micro-batch is a mean over its positions (MiniMind-3 adds it to each micro-batch's mean loss,
+    then divides by k). Here micro-batch i's aux weighs n_i / N, its share of the step's trained tokens: every
+    trained token carries its micro-batch's aux, so the aux keeps MiniMind-3's per-token ratio to the language-model
+    loss however the step is split (a controller's halved micro-batches, a short SFT micro-batch, data parallel ranks:
+    the same global N, no extra count), and the step's aux is the token-weighted mean of its micro-batches'. It equals
+    MiniMind-3's when the micro-batches hold equal token counts ("naive" is MiniMind-3's 1/k)."""
     if normalization not in NORMALIZATIONS:
         raise ValueError(f"normalization={normalization!r}; choose one of {NORMALIZATIONS}")
     if not micro_batches:
@@ -156,22 +167,29 @@ def accumulate_step(model: nn.Module, micro_batches: Sequence[dict], *, amp_dtyp
     n_tokens_total = step_token_count(micro_batches, device) if n_tokens_total is None else n_tokens_total
     if n_tokens_total <= 0:
         raise ValueError("accumulate_step: the step has no trained tokens (every shifted label is -100)")
-    loss_sum = torch.zeros((), device=device, dtype=torch.float32)
+    sums, has_aux = torch.zeros(2, device=device, dtype=torch.float32), False  # loss_sum, weighted aux
     for i, mb in enumerate(micro_batches):
         mb = _to_device(mb, device)
         last = world == 1 or i == k - 1 or not hasattr(model, "no_sync")  # DDP: all-reduce grads once, at the last
         with contextlib.nullcontext() if last else model.no_sync():
-            token_loss_sum = lm_loss(forward_logits(model, mb, amp_dtype), mb["labels"], reduction="sum")  # fp32
+            logits, aux = forward_logits(model, mb, amp_dtype, with_aux=True)
+            token_loss_sum = lm_loss(logits, mb["labels"], reduction="sum")  # fp32
             if normalization == "token":  # exact: / the step's tokens (x world: DDP averages over the ranks)
                 loss = token_loss_sum * (world / n_tokens_total)
             else:  # "naive", MiniMind's loop: each micro-batch's mean loss / k
                 loss = token_loss_sum / max(trained_tokens(mb["labels"]), 1) / k
+            if aux is not None:  # MoE: weighed by the micro-batch's share of the step's tokens (naive: 1/k)
+                token = normalization == "token"
+                share = trained_tokens(micro_batches[i]["labels"]) / n_tokens_total if token else 1 / k
+                loss, has_aux = loss + aux * (share * world if token else share), True
+                sums[1] += aux.detach().float() * share
             (scaler.scale(loss) if scaler is not None else loss).backward()
-        loss_sum += token_loss_sum.detach().float()
-    loss_sum = float(all_reduce_sum(float(loss_sum), device, torch.float64) if world > 1 else loss_sum)  # DDP: summed
+        sums[0] += token_loss_sum.detach().float()
+    loss_sum, aux_loss = (all_reduce_sum(sums.tolist(), device, torch.float64) if world > 1 else sums).tolist()
     return {"loss_sum": loss_sum, "n_tokens": int(n_tokens_total), "loss": loss_sum / n_tokens_total,
             "micro_batches": k, "rows": sum(len(mb["input_ids"]) for mb in micro_batches),
-            "padded_tokens": sum(mb["input_ids"].numel() for mb in micro_batches)}
+            "padded_tokens": sum(mb["input_ids"].numel() for mb in micro_batches),
+            **({"aux_loss": aux_loss} if has_aux else {})}
 
 
 # 5. AdamW's parameter groups (04, section 5) --------------------------------------------------------------------

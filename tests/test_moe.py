@@ -1,0 +1,303 @@
+"""MiniMind-3's mixture of experts: the preset's keys and size, strict loading both ways, logits and the load-balancing
+loss against a reference written from the spec, the aux loss in token-weighted accumulation, its metrics column, the
+memory estimate with experts, and the tiny MoE through the command line."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from minimind_lib.model import (MiniMindConfig, MiniMindForCausalLM, MoEFeedForward, count_parameters,
+                                load_checkpoint, save_checkpoint)
+
+KEYS_MOE = Path(__file__).resolve().parents[2] / "shared" / "minimind3_moe_keys.json"
+# MiniMind-3-MoE's key names and shapes (shared/minimind3_moe_keys.json, 171 keys), written out here so that the test
+# does not depend on a file outside the repository: 3 top-level keys + 21 per layer x 8 layers.
+_LAYER_SHAPES = {
+    "self_attn.q_proj.weight": [768, 768], "self_attn.k_proj.weight": [384, 768], "self_attn.v_proj.weight": [384, 768],
+    "self_attn.o_proj.weight": [768, 768], "self_attn.q_norm.weight": [96], "self_attn.k_norm.weight": [96],
+    "input_layernorm.weight": [768], "post_attention_layernorm.weight": [768], "mlp.gate.weight": [4, 768],
+    **{f"mlp.experts.{e}.{name}.weight": shape for e in range(4)
+       for name, shape in (("gate_proj", [2432, 768]), ("down_proj", [768, 2432]), ("up_proj", [2432, 768]))},
+}
+MOE_SHAPES = {
+    "model.embed_tokens.weight": [6400, 768], "model.norm.weight": [768], "lm_head.weight": [6400, 768],
+    **{f"model.layers.{i}.{k}": v for i in range(8) for k, v in _LAYER_SHAPES.items()},
+}
+
+
+def tiny_moe(**overrides) -> MiniMindConfig:
+    """MiniMind-3-MoE's layout at a size a CPU test runs in milliseconds."""
+    return MiniMindConfig(**{**dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                    vocab_size=97, intermediate_size=96, qk_norm=True, rms_norm_eps=1e-6,
+                                    max_position_embeddings=64, use_moe=True), **overrides})
+
+
+def fresh(config: MiniMindConfig, seed: int = 0) -> MiniMindForCausalLM:
+    torch.manual_seed(seed)
+    model = MiniMindForCausalLM(config)
+    with torch.no_grad():  # router weights large enough that the experts' scores are far apart (no near-ties)
+        for layer in model.model.layers:
+            layer.mlp.gate.weight.normal_(0, 0.5)
+    return model
+
+
+# ------------------------------------------------------------------ the preset and its keys
+def test_moe_preset_has_its_size_and_exact_keys():
+    with torch.device("meta"):
+        model = MiniMindForCausalLM(MiniMindConfig.preset("minimind-3-moe"))
+    assert count_parameters(model)["total"] == 198_416_640
+    c = model.config
+    assert (c.use_moe, c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size) == (True, 4, 1, 2432)
+    assert (c.norm_topk_prob, c.router_aux_loss_coef, c.hidden_size, c.qk_norm) == (True, 5e-4, 768, True)
+    shapes = {k: list(v.shape) for k, v in model.state_dict().items()}
+    assert len(MOE_SHAPES) == 171 and shapes == MOE_SHAPES
+    if KEYS_MOE.is_file():  # the key list read off MiniMind-3's own model code, where it is at hand
+        assert shapes == json.loads(KEYS_MOE.read_text())
+    # dense minimind-3 + 3 more experts per layer + the router: 63,912,192 + 8 x (3 x 3 x 768 x 2432 + 4 x 768)
+    assert 198_416_640 == 63_912_192 + 8 * (3 * 3 * 768 * 2432 + 4 * 768)
+
+
+def test_moe_config_fields_defaults_and_errors():
+    dense = MiniMindConfig.preset("minimind-3")
+    assert dense.use_moe is False and dense.moe_intermediate_size == dense.intermediate_size == 2432
+    assert MiniMindConfig.from_dict(MiniMindConfig.preset("minimind-3-moe").to_dict()).use_moe is True
+    new = ("use_moe", "num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+           "router_aux_loss_coef")
+    old = {k: v for k, v in MiniMindConfig().to_dict().items() if k not in new}  # a config.json from before MoE
+    assert MiniMindConfig.from_dict(old) == MiniMindConfig()
+    assert tiny_moe(moe_intermediate_size=32).moe_intermediate_size == 32
+    with pytest.raises(ValueError, match="num_experts_per_tok=5: must be an integer from 1 to num_experts=4"):
+        tiny_moe(num_experts_per_tok=5)
+    with pytest.raises(ValueError, match="num_experts=0"):
+        tiny_moe(num_experts=0)
+
+
+def test_strict_load_both_ways(tmp_path):
+    """A state dict built from MiniMind-3-MoE's key list alone (as its code saves it) loads into ours strictly; ours
+    saves exactly those keys; the dense preset refuses MoE weights with the key named."""
+    with torch.device("meta"):
+        model = MiniMindForCausalLM(MiniMindConfig.preset("minimind-3-moe"))
+    g = torch.Generator().manual_seed(0)
+    theirs = {k: torch.randn(s, generator=g) * 0.02 for k, s in MOE_SHAPES.items()}
+    theirs["lm_head.weight"] = theirs["model.embed_tokens.weight"]  # tied, as MiniMind saves it
+    model.load_state_dict(theirs, strict=True, assign=True)
+    assert torch.equal(model.model.layers[5].mlp.experts[2].up_proj.weight,
+                       theirs["model.layers.5.mlp.experts.2.up_proj.weight"])
+    assert set(model.state_dict()) == set(MOE_SHAPES)
+    small = MiniMindForCausalLM(tiny_moe())  # through a file, as a run's model.pth
+    save_checkpoint(small, tmp_path / "moe.pth")
+    again = MiniMindForCausalLM(tiny_moe())
+    load_checkpoint(tmp_path / "moe.pth", again)
+    assert all(torch.equal(a, b) for a, b in zip(small.state_dict().values(), again.state_dict().values()))
+    with pytest.raises(ValueError, match="missing key 'model.layers.0.mlp.gate_proj.weight'"):
+        load_checkpoint(tmp_path / "moe.pth", MiniMindForCausalLM(tiny_moe(use_moe=False)))
+
+
+# ------------------------------------------------------------------ a reference, written from the spec
+def reference_moe(sd: dict, c: MiniMindConfig, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits, aux) of MiniMind-3-MoE, token by token: softmax router scores, the k best experts (sorted), their
+    scores renormalised (+1e-20) when norm_topk_prob, output sum_e w_e * SwiGLU_e(h); per layer aux = coef * E *
+    sum_e (picks of e / tokens) * (mean score of e over every position), summed over layers."""
+    def rms(x, w, eps):
+        return w * (x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps))
+
+    b, t = ids.shape
+    d, hq, hk, E = c.head_dim, c.num_attention_heads, c.num_key_value_heads, c.num_experts
+    inv = c.rope_theta ** (-torch.arange(d // 2, dtype=torch.float64) * 2 / d)
+    rot = torch.polar(torch.ones(t, d // 2, dtype=torch.float64), torch.arange(t, dtype=torch.float64)[:, None] * inv)
+
+    def rope(x):  # pair i is (x[..., i], x[..., i + d/2]), rotated as a complex number
+        z = torch.complex(x[..., : d // 2].double(), x[..., d // 2:].double()) * rot[None, :, None, :]
+        return torch.cat([z.real, z.imag], dim=-1).float()
+
+    x, aux = sd["model.embed_tokens.weight"][ids], torch.zeros(())
+    causal = torch.ones(t, t, dtype=torch.bool).tril()
+    for i in range(c.num_hidden_layers):
+        p = lambda name: sd[f"model.layers.{i}.{name}.weight"]
+        h = rms(x, p("input_layernorm"), c.rms_norm_eps)
+        q = (h @ p("self_attn.q_proj").T).view(b, t, hq, d)
+        k = (h @ p("self_attn.k_proj").T).view(b, t, hk, d)
+        v = (h @ p("self_attn.v_proj").T).view(b, t, hk, d)
+        q, k = rope(rms(q, p("self_attn.q_norm"), c.rms_norm_eps)), rope(rms(k, p("self_attn.k_norm"), c.rms_norm_eps))
+        k, v = k.repeat_interleave(hq // hk, dim=2), v.repeat_interleave(hq // hk, dim=2)
+        att = (torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(d)).masked_fill(~causal, float("-inf")).softmax(-1)
+        x = x + torch.einsum("bhqk,bkhd->bqhd", att, v).reshape(b, t, hq * d) @ p("self_attn.o_proj").T
+        h = rms(x, p("post_attention_layernorm"), c.rms_norm_eps).reshape(b * t, -1)
+        scores = torch.exp(h @ p("mlp.gate").T)
+        scores = scores / scores.sum(-1, keepdim=True)
+        out, picks = torch.zeros_like(h), torch.zeros(E)
+        for n in range(b * t):
+            best = sorted(range(E), key=lambda e: -float(scores[n, e]))[: c.num_experts_per_tok]
+            w = scores[n, best]
+            w = w / (w.sum() + 1e-20) if c.norm_topk_prob else w
+            for e, we in zip(best, w):
+                picks[e] += 1
+                ex = lambda name: p(f"mlp.experts.{e}.{name}")
+                out[n] += we * ((F.silu(h[n] @ ex("gate_proj").T) * (h[n] @ ex("up_proj").T)) @ ex("down_proj").T)
+        aux = aux + c.router_aux_loss_coef * E * (picks / (b * t) * scores.mean(0)).sum()
+        x = x + out.view(b, t, -1)
+    return rms(x, sd["model.norm.weight"], c.rms_norm_eps) @ sd["model.embed_tokens.weight"].T, aux
+
+
+@pytest.mark.parametrize("k, norm", [(1, True), (2, True), (2, False), (3, False)])
+def test_logits_and_aux_equal_the_reference(k, norm):
+    c = tiny_moe(num_experts_per_tok=k, norm_topk_prob=norm, router_aux_loss_coef=0.1)
+    model = fresh(c)
+    ids = torch.randint(0, c.vocab_size, (2, 11), generator=torch.Generator().manual_seed(k))
+    ref_logits, ref_aux = reference_moe({n: v.detach() for n, v in model.state_dict().items()}, c, ids)
+    with torch.no_grad():
+        out = model.train()(ids)  # dropout 0: training changes nothing but the aux loss
+        assert torch.allclose(out.logits, ref_logits, atol=1e-5, rtol=1e-4), (out.logits - ref_logits).abs().max()
+        assert torch.allclose(out.aux_loss, ref_aux, rtol=1e-5), (out.aux_loss, ref_aux)
+        evaluated = model.eval()(ids)
+    assert evaluated.aux_loss is None and torch.equal(evaluated.logits, out.logits)  # no aux loss outside training
+    if k == 1 and norm:  # one expert, renormalised: its weight is 1, the output is exactly that expert's SwiGLU
+        layer = model.model.layers[0].mlp
+        h = torch.randn(5, c.hidden_size)
+        with torch.no_grad():
+            best = layer.gate(h).argmax(-1)
+            assert torch.allclose(layer(h[None])[0], torch.stack([layer.experts[int(e)](r) for e, r in zip(best, h)]),
+                                  atol=1e-6)
+
+
+def test_aux_counts_padding_positions_and_is_minimal_when_balanced():
+    c = tiny_moe(router_aux_loss_coef=1.0)
+    layer = MoEFeedForward(c).train()
+    with torch.no_grad():
+        layer.gate.weight.zero_()  # every score 1/E: load sums to k, so aux = coef * E * k / E = k
+    layer(torch.randn(3, 7, c.hidden_size))
+    assert torch.allclose(layer.aux_loss, torch.tensor(1.0))
+    model, ids = fresh(c), torch.randint(0, 97, (2, 9))
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[1, 5:] = 0  # right padding: the router still sees (and the aux counts) every position, as MiniMind-3's
+    ref = reference_moe({n: v.detach() for n, v in model.state_dict().items()}, c, ids)[1]
+    assert torch.allclose(model.train()(ids, attention_mask=mask).aux_loss, ref, rtol=1e-5)
+
+
+def test_every_parameter_gets_a_gradient_even_an_unused_expert():
+    """Data parallel training needs a gradient for every parameter each step: an expert no token chose gets zeros."""
+    model = fresh(tiny_moe())
+    ids = torch.randint(0, 97, (1, 1))  # one token, top-1: in each layer one expert works and three idle
+    out = model.train()(ids, labels=torch.tensor([[0]]))
+    (out.logits.sum() + out.aux_loss).backward()
+    assert all(p.grad is not None for p in model.parameters())
+    for layer in model.model.layers:
+        used = [bool(e.up_proj.weight.grad.abs().sum() > 0) for e in layer.mlp.experts]
+        assert sum(used) == 1, used
+        assert layer.mlp.gate.weight.grad.abs().sum() > 0  # the router learns from the loss and the aux loss
+
+
+def test_kv_cache_steps_equal_the_full_forward():
+    model = fresh(tiny_moe(num_experts_per_tok=2)).eval()
+    ids = torch.randint(0, 97, (2, 10))
+    with torch.no_grad():
+        full = model(ids).logits
+        first = model(ids[:, :7], use_cache=True)
+        step = model(ids[:, 7:], past_key_values=first.past_key_values, use_cache=True)
+    torch.testing.assert_close(step.logits, full[:, 7:], atol=1e-5, rtol=1e-4)
+
+
+# ------------------------------------------------------------------ the aux loss in training
+def micro_batches(lengths: list[list[int]], vocab: int = 97, seed: int = 0) -> list[dict]:
+    """Collated micro-batches of random rows of the given lengths (right-padded, pads not trained)."""
+    from minimind_lib.data import pad_collate
+    g = torch.Generator().manual_seed(seed)
+    return [pad_collate([{"input_ids": (ids := torch.randint(1, vocab, (n,), generator=g)), "labels": ids.clone()}
+                         for n in rows]) for rows in lengths]
+
+
+def grads(model) -> torch.Tensor:
+    return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+
+def test_accumulated_aux_is_each_micro_batch_weighted_by_its_tokens():
+    """accumulate_step trains sum_i (LM loss sum_i + n_i * aux_i) / N: the aux of each micro-batch, alone, weighted by
+    its share n_i / N of the step's trained tokens; it reports the LM loss and the aux apart."""
+    from minimind_lib.data import trained_tokens
+    from minimind_lib.train import accumulate_step
+    model = fresh(tiny_moe(router_aux_loss_coef=0.5)).train()
+    mbs = micro_batches([[12, 5, 9], [3], [7, 7]])  # unequal token counts: weights 1/3 each would differ
+    stats = accumulate_step(model, mbs)
+    g_acc = grads(model)
+    model.zero_grad(set_to_none=True)
+    n = [trained_tokens(mb["labels"]) for mb in mbs]
+    total, lm, aux = 0.0, 0.0, 0.0
+    for mb, n_i in zip(mbs, n):  # each micro-batch alone, by the definition
+        out = model(mb["input_ids"], attention_mask=mb["attention_mask"])
+        lm_sum = F.cross_entropy(out.logits[:, :-1].reshape(-1, 97), mb["labels"][:, 1:].reshape(-1), reduction="sum")
+        total = total + (lm_sum + n_i * out.aux_loss) / sum(n)
+        lm, aux = lm + lm_sum.item(), aux + n_i * out.aux_loss.item() / sum(n)
+    total.backward()
+    assert stats["n_tokens"] == sum(n) and math.isclose(stats["loss"], lm / sum(n), rel_tol=1e-5)
+    assert math.isclose(stats["aux_loss"], aux, rel_tol=1e-5) and stats["aux_loss"] > 0
+    torch.testing.assert_close(g_acc, grads(model), atol=1e-7, rtol=1e-4)
+    model.zero_grad(set_to_none=True)  # "naive" is MiniMind-3's loop: (mean LM loss_i + aux_i) / k
+    naive = accumulate_step(model, mbs, normalization="naive")
+    with torch.no_grad():
+        assert math.isclose(naive["aux_loss"], sum(model(mb["input_ids"]).aux_loss.item() for mb in mbs) / 3,
+                            rel_tol=1e-5)
+    assert not math.isclose(naive["aux_loss"], stats["aux_loss"], rel_tol=1e-3)  # the weighting matters here
+
+
+def test_accumulated_equals_unaccumulated_aux():
+    """One micro-batch of all rows, or the same rows split in micro-batches: the same loss, aux and gradient when the
+    micro-batches are alike (here: copies), however many and however large."""
+    from minimind_lib.train import accumulate_step
+    model = fresh(tiny_moe(router_aux_loss_coef=0.5)).train()
+    rows = [[9, 9, 9]]
+    one = micro_batches(rows)[0]
+    whole = {k: torch.cat([v] * 3) for k, v in one.items()}  # 9 rows in one micro-batch
+    results = []
+    for step in ([whole], [one, one, one], [{k: v[:6] for k, v in whole.items()}, one]):
+        model.zero_grad(set_to_none=True)
+        results.append((accumulate_step(model, step), grads(model)))
+    (s0, g0), rest = results[0], results[1:]
+    for s, g in rest:
+        assert math.isclose(s["aux_loss"], s0["aux_loss"], rel_tol=1e-5)
+        assert math.isclose(s["loss"], s0["loss"], rel_tol=1e-5)
+        torch.testing.assert_close(g, g0, atol=1e-7, rtol=1e-4)
+    with torch.no_grad():  # and the aux of that step is the model's own aux loss of the whole batch
+        assert math.isclose(s0["aux_loss"], model(whole["input_ids"]).aux_loss.item(), rel_tol=1e-5)
+
+
+def test_fit_logs_the_aux_loss_as_a_column_only_for_moe():
+    from minimind_lib.train import TrainConfig, fit
+    data = micro_batches([[16, 16], [16, 16], [16, 12]])
+    cfg = TrainConfig(max_steps=3, accum_steps=1, warmup_steps=1, amp="off", progress=False, lr=1e-2)
+    moe = fit(fresh(tiny_moe()), data, cfg, device="cpu")
+    dense = fit(MiniMindForCausalLM(tiny_moe(use_moe=False)), data, cfg, device="cpu")
+    assert "aux_loss" in moe and moe["aux_loss"].gt(0).all() and moe["aux_loss"].lt(0.01).all()  # ~coef * k
+    assert "aux_loss" not in dense
+
+
+# ------------------------------------------------------------------ memory
+@pytest.mark.parametrize("experts, k, amp", [(4, 1, "off"), (8, 3, "off"), (4, 2, "bf16")])
+def test_memory_estimate_counts_the_experts(experts, k, amp):
+    """estimate_memory against one real training step measured by MemoryMeter (fake tensors cannot route tokens)."""
+    from minimind_lib.memory import estimate_memory, measure_step_memory
+    c = tiny_moe(num_experts=experts, num_experts_per_tok=k, max_position_embeddings=128)
+    real = measure_step_memory(c, 4, 64, amp=amp)
+    est = estimate_memory(c, 4, 64, amp=amp)
+    assert est["n_params"] == real["n_params"] == count_parameters(MiniMindForCausalLM(c))["total"]
+    assert abs(est["peak_bytes"] / real["peak_bytes"] - 1) < 0.05  # stated tolerance 5% (seen: within 0.5-1.6%)
+    dense = estimate_memory(tiny_moe(use_moe=False, max_position_embeddings=128), 4, 64, amp=amp)
+    assert est["optimizer_bytes"] - dense["optimizer_bytes"] == 8 * 2 * ((experts - 1) * 3 * 64 * 96 + experts * 64)
+    assert est["activations_bytes"] > dense["activations_bytes"]  # k routed copies of every token, and the router
+    with pytest.raises(ValueError, match="cannot route tokens to experts"):
+        measure_step_memory(c, 1, 8, fake=True)
+
+
+def test_active_parameters_of_the_preset():
+    from minimind_lib.memory import estimate_memory
+    est = estimate_memory(MiniMindConfig.preset("minimind-3-moe"), 1, 8)
+    # all 4 experts are stored, trained and held by AdamW; a token runs 1 of them (and the router): dense + router
+    assert (est["n_params"], est["n_active_params"]) == (198_416_640, 63_912_192 + 8 * 4 * 768)
+    assert est["optimizer_bytes"] == 8 * 198_416_640
+    dense = estimate_memory(MiniMindConfig.preset("minimind-3"), 1, 8)
+    assert dense["n_active_params"] == dense["n_params"] == 63_912_192
