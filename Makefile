@@ -3,18 +3,30 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+# A room without internet: `make wheelhouse` fills wheelhouse/ (every wheel the course needs); when that folder holds
+# wheels, every install below uses only it (no network). WHEELHOUSE=DIR names another folder.
+WHEELHOUSE ?= wheelhouse
+PIP_FROM := $(if $(wildcard $(WHEELHOUSE)/*.whl),--no-index --find-links $(abspath $(WHEELHOUSE)))
 
-.PHONY: venv lab test unit notebooks course kernel browser-test clean prepare-workshop handout reset course-times
+.PHONY: venv lab test unit notebooks course kernel browser-test clean prepare-workshop handout reset course-times wheelhouse
 
 venv: $(STAMP)
 
 # Re-install only when the pins or the package metadata change.
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -r requirements.txt
-	$(PY) -m pip install --quiet --no-deps -e .
+	$(if $(PIP_FROM),@echo "installing from $(WHEELHOUSE)/ only (no network)")
+	$(PY) -m pip install --quiet $(PIP_FROM) --upgrade pip
+	$(PY) -m pip install --quiet $(PIP_FROM) -r requirements.txt
+	$(PY) -m pip install --quiet $(PIP_FROM) --no-deps -e .
 	touch $(STAMP)
+
+# Every wheel `make venv` installs, for this machine's platform and Python (or PLATFORM=manylinux_2_28_x86_64
+# PYVER=3.11 for another room's), into $(WHEELHOUSE)/: copy the checkout with it to a room without internet.
+wheelhouse:
+	$(PYTHON) -m pip download --quiet --dest $(WHEELHOUSE) -r requirements.txt pip setuptools wheel \
+		$(if $(PLATFORM),--platform $(PLATFORM) --python-version $(PYVER) --only-binary=:all:)
+	@echo "$(WHEELHOUSE)/: $$(ls $(WHEELHOUSE) | wc -l) files, $$(du -sh $(WHEELHOUSE) | cut -f1); make lab / make test now install from it alone"
 
 kernel: venv
 	$(PY) -m ipykernel install --user --name minimind --display-name "Python (minimind)"

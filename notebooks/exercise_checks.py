@@ -3,13 +3,16 @@
 Each check takes the learner's answer (a value or a function) and what the notebook built, and then:
 - with the placeholder (None, or a function that raises NotImplementedError) prints "not attempted yet", a hint and
   where the worked solution is, never the answer;
-- with a wrong answer raises AssertionError whose message says what is wrong and gives the hint;
+- with a wrong answer raises NotRightYet (an AssertionError) whose message says what is wrong and gives the hint;
+  Jupyter shows that message alone, never a traceback into this file;
 - with a right answer prints a line that says it passed.
-This file is not part of minimind_lib: it is course material, like the notebooks.
+The expected values are computed from minimind_lib when a check runs, or compared as digests, so reading this file
+does not give the answers away. This file is not part of minimind_lib: it is course material, like the notebooks.
 """
 from __future__ import annotations
 
 import copy
+import hashlib
 import math
 import re
 from typing import Any, Callable
@@ -29,15 +32,23 @@ def solution_path(exercise: str) -> str:
     return f"notebooks/solutions/{CHAPTERS[exercise[:2]]}.ipynb"
 
 
+class NotRightYet(AssertionError):
+    """A wrong answer. IPython shows only this message (through _render_traceback_): a traceback would print the
+    check's own lines, and with them what the answer should be."""
+
+    def _render_traceback_(self) -> list[str]:
+        return [f"\x1b[31mNotRightYet\x1b[0m: {self}"]
+
+
 def _not_attempted(exercise: str, hint: str) -> None:
     line = f"exercise {exercise}: {NOT_ATTEMPTED}. Hint: {hint} Worked solution: {solution_path(exercise)}"
     if STRICT:
-        raise AssertionError(line)
+        raise NotRightYet(line)
     print(line)
 
 
 def verdict(exercise: str, hint: str, test: Callable[[], None], *answers: Any) -> None:
-    """Run `test` on the learner's answers; print not-attempted or passed, or raise AssertionError with the hint."""
+    """Run `test` on the learner's answers; print not-attempted or passed, or raise NotRightYet with the hint."""
     if any(a is None for a in answers):
         return _not_attempted(exercise, hint)
     try:
@@ -45,8 +56,19 @@ def verdict(exercise: str, hint: str, test: Callable[[], None], *answers: Any) -
     except NotImplementedError:
         return _not_attempted(exercise, hint)
     except AssertionError as e:
-        raise AssertionError(f"exercise {exercise}: not right yet: {e} Hint: {hint}") from None
+        raise NotRightYet(f"exercise {exercise}: not right yet: {e} Hint: {hint}") from None
+    except Exception as e:  # the answer itself failed: a function of the wrong arity, a value of the wrong type
+        raise NotRightYet(f"exercise {exercise}: not right yet: checking your answer raised {type(e).__name__}: "
+                          f"{e}. Hint: {hint}") from None
     print(f"exercise {exercise}: {PASSED}")
+
+
+def digest(value: Any) -> str:
+    """A short SHA-256 of an answer's repr (floats rounded to 6 significant digits): checks compare it with the
+    digest of the right answer, which this file holds instead of the answer."""
+    if isinstance(value, float):
+        value = float(f"{value:.6g}")
+    return hashlib.sha256(repr(value).encode()).hexdigest()[:16]
 
 
 def _close(a: Any, b: float, rel: float = 1e-6) -> bool:
@@ -69,7 +91,8 @@ def check_00_profiles(ci_profile: str | None, laptop_gpu_profile: str | None) ->
 def check_00_memory_fraction(fraction: float | None) -> None:
     """Exercise 00.2: the memory fraction that makes an 80 GiB card behave like a 24 GiB one."""
     def test():
-        assert _close(fraction, 24 / 80, 1e-3), f"{fraction!r} is not the share of the card that 24 GiB is."
+        assert isinstance(fraction, float), f"{fraction!r}: the fraction is a float."
+        assert digest(fraction) == "221764976efe0413", f"{fraction!r} is not the share of the card that 24 GiB is."
     return verdict("00.2", "the fraction is target bytes / total bytes (memory_fraction_for).", test, fraction)
 
 

@@ -140,3 +140,34 @@ def test_check_says_not_attempted_fails_wrong_and_passes_right(name, capsys, mon
     monkeypatch.setattr(ec, "STRICT", True)  # the solution notebooks: an unattempted exercise fails
     with pytest.raises(AssertionError, match="not attempted yet"):
         _call(check, (placeholder, placeholder) if check is ec.check_05_t4 else placeholder)
+
+
+def test_a_wrong_answer_shows_its_message_not_the_check_source():
+    with pytest.raises(ec.NotRightYet) as caught:
+        ec.check_00_memory_fraction(0.5)
+    rendered = "\n".join(caught.value._render_traceback_())
+    assert "not right yet" in rendered and "Hint:" in rendered
+    assert "exercise_checks.py" not in rendered and "digest(" not in rendered  # no source lines, no file
+
+
+def test_an_answer_of_the_wrong_arity_or_type_gets_the_hint():
+    with pytest.raises(ec.NotRightYet, match=r"02.3: not right yet: checking your answer raised TypeError: .* Hint: "):
+        ec.check_02_memmap_bytes(lambda n_tokens: n_tokens)  # one argument where two are passed
+    with pytest.raises(ec.NotRightYet, match="00.2: not right yet: .*float"):
+        ec.check_00_memory_fraction("0.3")
+
+
+def test_in_jupyter_a_wrong_answer_prints_no_traceback(tmp_path):
+    """Run a wrong answer in a real kernel: its error output is the message alone (the check's lines give answers)."""
+    import nbformat
+    from nbclient import NotebookClient
+    from nbclient.exceptions import CellExecutionError
+    cell = nbformat.v4.new_code_cell(f"import sys; sys.path.insert(0, {str(ec.__file__.rsplit('/', 1)[0])!r})\n"
+                                     "import exercise_checks as ec\nec.check_00_memory_fraction(0.5)")
+    nb = nbformat.v4.new_notebook(cells=[cell])
+    with pytest.raises(CellExecutionError):
+        NotebookClient(nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    error = next(o for o in nb.cells[0].outputs if o.output_type == "error")
+    shown = "\n".join(error.traceback)
+    assert error.ename == "NotRightYet" and "Hint:" in shown
+    assert "exercise_checks.py" not in shown and "assert " not in shown, shown

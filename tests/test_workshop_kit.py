@@ -79,6 +79,11 @@ def test_handout_strips_outputs_and_keeps_solutions_apart(tmp_path: Path):
     (src / "figures").mkdir()
     (src / "figures" / "a.svg").write_text("<svg/>")
     (src / "ddp_demo.py").write_text("print(1)\n")
+    (src / "exercise_checks.py").write_text("STRICT = False\n")
+    data = tmp_path / "data"
+    data.mkdir()
+    for name in ("pretrain.jsonl", "LICENSES.md"):
+        (data / name).write_text("{}\n")
     cell = nbformat.v4.new_code_cell("print(42)", execution_count=3, metadata={"execution": {"a": "b"}, "tags": ["t"]})
     cell.outputs = [nbformat.v4.new_output("stream", text="42\n")]
     nbformat.write(nbformat.v4.new_notebook(cells=[cell, nbformat.v4.new_markdown_cell("# hi")]), src / "01_a.ipynb")
@@ -86,15 +91,37 @@ def test_handout_strips_outputs_and_keeps_solutions_apart(tmp_path: Path):
     out = tmp_path / "handout"
     (out / "stale.txt").parent.mkdir()
     (out / "stale.txt").write_text("old")
-    written = handout.make_handout(out, src)
+    written = handout.make_handout(out, src, data)
     assert not (out / "stale.txt").exists()  # a new handout replaces the old one
-    assert {p.name for p in written["notebooks"]} == {"01_a.ipynb", "ddp_demo.py", "figures"}
+    assert {p.name for p in written["notebooks"]} == {"01_a.ipynb", "exercise_checks.py", "ddp_demo.py", "figures"}
+    assert {p.name for p in written["solutions"]} == {"01_a.ipynb", "exercise_checks.py"}
+    assert {p.name for p in written["data"]} == {"pretrain.jsonl", "LICENSES.md"}
     assert (out / "notebooks" / "figures" / "a.svg").is_file()
     for path in (out / "notebooks" / "01_a.ipynb", out / "solutions" / "01_a.ipynb"):
         code = nbformat.read(path, 4).cells[0]
         assert code.source == "print(42)" and code.outputs == [] and code.execution_count is None
         assert "execution" not in code.metadata and code.metadata["tags"] == ["t"]
     assert not list((out / "notebooks").glob("solutions"))  # solutions only in their own folder
+
+
+def test_the_handout_runs_on_its_own(tmp_path: Path):
+    """Build the handout in a temporary folder and execute every notebook and solution there (smoke profile), with
+    minimind_lib installed apart from any checkout, as `pip install` of the course gives it: nothing may reach back
+    into the repository (exercise checks, ddp_demo.py, data, runs)."""
+    out = tmp_path / "handout"
+    handout.make_handout(out)
+    site = tmp_path / "site-packages"
+    shutil.copytree(REPO / "minimind_lib", site / "minimind_lib", ignore=shutil.ignore_patterns("__pycache__"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MINIMIND_")}
+    env.update(PYTHONPATH=str(site), MINIMIND_PROFILE="smoke", PYTHONNOUSERSITE="1")
+    probe = subprocess.run([sys.executable, "-c", "import minimind_lib.paths as p; print(p.__file__, p.REPO_DIR)"],
+                           cwd=out / "notebooks", env=env, capture_output=True, text=True, check=True).stdout
+    assert probe.split() == [str(site / "minimind_lib" / "paths.py"), str(out.resolve())]
+    result = subprocess.run([sys.executable, "-m", "pytest", "--nbval-lax", "--nbval-current-env", "-p",
+                             "no:cacheprovider", "--nbval-cell-timeout=900", "-q", "notebooks", "solutions"],
+                            cwd=out, env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
+    assert (out / "runs" / "smoke" / "pretrain" / "model.pth").is_file()  # 07 wrote its run into the handout
 
 
 def test_handout_of_an_empty_folder_is_an_error(tmp_path: Path):
@@ -156,6 +183,9 @@ def test_teaching_guide_table_is_generated():
     guide = REPO / "docs" / "teaching.md"
     assert course_times.write_table(guide, course_times.minutes_table(), check=True), \
         "docs/teaching.md's minutes table differs from docs/timings/: run make course-times"
+    assert course_times.write_table(guide, course_times.estimate_table(), True, course_times.ESTIMATES_START,
+                                    course_times.ESTIMATES_END), \
+        "docs/teaching.md's estimates differ from the notebooks' text: run make course-times"
     assert "docs/teaching.md" in (REPO / "README.md").read_text()
 
 
@@ -170,3 +200,40 @@ def test_prepare_workshop_records_where_the_run_came_from(tmp_path: Path, monkey
     assert "pretrain --profile smoke --out" in saved["command"] and saved["started_utc"] <= saved["finished_utc"]
     with pytest.raises(SystemExit, match="unknown profile 'huge'"):
         prepare_workshop.prepare("huge")
+
+
+def _network_can_be_cut() -> bool:
+    return shutil.which("unshare") is not None and subprocess.run(["unshare", "-n", "true"]).returncode == 0
+
+
+@needs_git_make
+@pytest.mark.skipif(not _network_can_be_cut(), reason="needs `unshare -n` (Linux, as root) to run without a network")
+def test_a_room_without_internet_installs_from_the_wheelhouse(tmp_path: Path):
+    """`make wheelhouse` downloads every wheel; then `make venv` in a fresh copy of the course installs from it alone,
+    in a network namespace with no network and with no pip configuration (no index, no other wheel folder)."""
+    course = tmp_path / "course"
+    course.mkdir()
+    for name in ("Makefile", "requirements.txt", "pyproject.toml", "README.md"):
+        shutil.copy2(REPO / name, course / name)
+    shutil.copytree(REPO / "minimind_lib", course / "minimind_lib", ignore=shutil.ignore_patterns("__pycache__"))
+    download = subprocess.run(["make", "-s", "-C", str(course), "wheelhouse"], capture_output=True, text=True)
+    assert download.returncode == 0, download.stderr[-3000:]
+    offline_env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "PIP_CONFIG_FILE": os.devnull,
+                   "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+    install = subprocess.run(["unshare", "-n", "make", "-s", "-C", str(course), "venv"], env=offline_env,
+                             capture_output=True, text=True)
+    assert install.returncode == 0, install.stdout[-2000:] + install.stderr[-3000:]
+    assert "installing from wheelhouse/ only (no network)" in install.stdout
+    python = str(course / ".venv" / "bin" / "python")
+    check = subprocess.run(["unshare", "-n", python, "-m", "pip", "check"], env=offline_env, capture_output=True,
+                           text=True)
+    assert check.returncode == 0, check.stdout + check.stderr
+    wanted = {line.split("==")[0].strip().lower() for line in (REPO / "requirements.txt").read_text().splitlines()
+              if "==" in line and not line.lstrip().startswith("#")}
+    listed = subprocess.run([python, "-m", "pip", "list", "--format=freeze"], env=offline_env, capture_output=True,
+                            text=True, check=True).stdout
+    have = {line.split("==")[0].lower().replace("_", "-") for line in listed.splitlines()}
+    assert {w.replace("_", "-") for w in wanted} <= have, sorted(wanted - have)
+    info = subprocess.run(["unshare", "-n", python, "-m", "minimind_lib", "info"], env=offline_env, cwd=course,
+                          capture_output=True, text=True)
+    assert info.returncode == 0 and "cpu_threads" in info.stdout, info.stderr[-2000:]

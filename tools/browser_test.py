@@ -137,8 +137,9 @@ def kernel_pids(kernel_ids: set[str]) -> list[int]:
     return pids
 
 
-def run_all(page, lab: Lab, name: str, out: Path, timeout: float) -> tuple[str, str]:
-    """Open notebook `name`, check its kernel, Run All Cells from the menu, wait for idle; return session, kernel."""
+def run_all(page, lab: Lab, name: str, out: Path, timeout: float) -> tuple[str, str, float]:
+    """Open notebook `name`, check its kernel, Run All Cells from the menu, wait for idle; return session, kernel and
+    the seconds a learner waited (from the click on Run All Cells until the kernel is idle with no cell queued)."""
     print(f"{name}: opening", flush=True)
     page.goto(f"{lab.url}/lab/tree/{name}?reset")
     page.locator(".jp-Notebook .jp-Cell").first.wait_for(timeout=120_000)
@@ -170,8 +171,9 @@ def run_all(page, lab: Lab, name: str, out: Path, timeout: float) -> tuple[str, 
     else:
         page.screenshot(path=str(out / f"{Path(name).stem}_timeout.png"))
         raise CheckFailed(f"{name}: Run All did not finish within {timeout:.0f} s")
-    print(f"{name}: Run All finished in {time.monotonic() - start:.0f} s", flush=True)
-    return sessions[0]["id"], kernel["id"]
+    waited = time.monotonic() - start - 3  # the last 3 s only confirmed the kernel stayed idle
+    print(f"{name}: Run All finished in {waited:.0f} s", flush=True)
+    return sessions[0]["id"], kernel["id"], waited
 
 
 def check_outputs(page, work: Path, name: str, out: Path) -> nbformat.NotebookNode:
@@ -254,8 +256,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=REPO / "build" / "browser")
     parser.add_argument("--chromium", default=shutil.which("chromium") or "/usr/bin/chromium")
     parser.add_argument("--timeout", type=float, default=1200, help="seconds for one notebook's Run All")
-    parser.add_argument("--notebooks", nargs="+", default=["06_dynamic_batching.ipynb", "08_sft.ipynb"])
+    parser.add_argument("--notebooks", nargs="+", default=["06_dynamic_batching.ipynb", "08_sft.ipynb"],
+                        help="notebook names, or 'all' for every numbered notebook in order")
+    parser.add_argument("--profile", default="smoke", help="MINIMIND_PROFILE of the kernels (CI: smoke)")
+    parser.add_argument("--record", action="store_true",
+                        help="write each Run All's seconds to docs/timings/browser-PROFILE.json (teaching guide)")
     args = parser.parse_args(argv)
+    if args.notebooks == ["all"]:
+        args.notebooks = sorted(p.name for p in (REPO / "notebooks").glob("[0-9][0-9]_*.ipynb"))
     if not Path(args.chromium).is_file():
         print(f"error: no Chromium at {args.chromium}; install Debian's package: apt-get install chromium",
               file=sys.stderr)
@@ -265,7 +273,8 @@ def main(argv: list[str] | None = None) -> int:
     work = out / "notebooks"  # copies: Run All and the save below never touch notebooks/
     shutil.copytree(REPO / "notebooks", work, ignore=shutil.ignore_patterns(".ipynb_checkpoints"))
     # A fresh runs/ folder, as on a fresh clone: 08 then pretrains the model it fine-tunes itself.
-    env = dict(os.environ, MINIMIND_PROFILE="smoke", MINIMIND_RUNS_DIR=str(out / "runs"))
+    env = dict(os.environ, MINIMIND_PROFILE=args.profile, MINIMIND_RUNS_DIR=str(out / "runs"))
+    waits: dict[str, float] = {}
     lab = Lab(work, out, env)
     try:
         lab.wait_ready()
@@ -285,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
                 check(course <= listed, f"the file browser lists the {len(course)} course notebooks")
                 page.screenshot(path=str(out / "notebook_list.png"))
                 for name in args.notebooks:
-                    session_id, kernel_id = run_all(page, lab, name, out, args.timeout)
+                    session_id, kernel_id, waits[name] = run_all(page, lab, name, out, args.timeout)
                     check_outputs(page, work, name, out)
                     if name.startswith("08"):
                         check_progress_bars(page, name)
@@ -302,7 +311,20 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         lab.stop()
     print(f"browser test passed; screenshots in {out}")
+    if args.record:
+        print(f"wrote {record_waits(waits, args.profile)}")
     return 0
+
+
+def record_waits(waits: dict[str, float], profile: str) -> Path:
+    """Store the Run All seconds as docs/timings/browser-PROFILE.json, in the form tools/course_times.py reads."""
+    from course_times import update_timings
+    from minimind_lib.device import describe
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    records = [{"notebook": name, "seconds": round(s, 1), "n_cells_timed": 0, "executed_utc": stamp, "error": None,
+                "cells": [], "load_average": round(os.getloadavg()[0], 2)} for name, s in waits.items()]
+    device = describe().replace(f", profile={profile}", "")  # e.g. "cpu (AMD EPYC), torch 2.13.0"
+    return update_timings(f"browser-{profile}", device, records)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,10 @@ docs/teaching.md (between its course-times markers), so the table is regenerated
 
     python tools/course_times.py --from-notebooks notebooks   # record already-executed notebooks (their profile)
     python tools/course_times.py --write docs/teaching.md     # rewrite the table (make course-times)
+
+It also writes the guide's second table, of estimates: the reading and exercise minutes of each notebook, computed
+from its words, code lines and exercises at the paces of WORDS_PER_MINUTE, CODE_LINES_PER_MINUTE and
+MINUTES_PER_EXERCISE (a rule, stated in the guide, not a measurement).
 """
 
 import argparse
@@ -21,6 +25,7 @@ import nbformat
 REPO = Path(__file__).resolve().parents[1]
 TIMINGS_DIR = REPO / "docs" / "timings"
 START, END = "<!-- course-times:start -->", "<!-- course-times:end -->"
+ESTIMATES_START, ESTIMATES_END = "<!-- course-estimates:start -->", "<!-- course-estimates:end -->"
 PROFILE_ORDER = ("smoke", "workshop", "cpu", "gpu")
 
 
@@ -79,6 +84,12 @@ def from_notebooks(notebook_dir: Path, timings_dir: Path = TIMINGS_DIR) -> list[
     return [update_timings(p, device, records, timings_dir) for (p, device), records in by_run.items()]
 
 
+def _column(run: str) -> str:
+    # docs/timings/browser-PROFILE.json holds what tools/browser_test.py --record measured: Run All in JupyterLab
+    return f"{run.removeprefix('browser-')}, Run All in a browser (min)" if run.startswith("browser-") else \
+        f"{run} (min)"
+
+
 def minutes_table(timings_dir: Path = TIMINGS_DIR) -> str:
     """The markdown table: one row per notebook, one column of minutes per recorded profile, then the devices."""
     runs = {p.stem: json.loads(p.read_text()) for p in timings_dir.glob("*.json")}
@@ -86,7 +97,7 @@ def minutes_table(timings_dir: Path = TIMINGS_DIR) -> str:
         raise SystemExit(f"error: no timings in {timings_dir}; run tools/run_course.py first")
     profiles = sorted(runs, key=lambda p: (PROFILE_ORDER.index(p) if p in PROFILE_ORDER else 99, p))
     names = sorted({n for run in runs.values() for n in run["notebooks"]})
-    lines = ["| notebook | " + " | ".join(f"{p} (min)" for p in profiles) + " |",
+    lines = ["| notebook | " + " | ".join(_column(p) for p in profiles) + " |",
              "|---|" + "---:|" * len(profiles)]
     for name in names:
         cells = []
@@ -94,8 +105,10 @@ def minutes_table(timings_dir: Path = TIMINGS_DIR) -> str:
             rec = runs[p]["notebooks"].get(name)
             cells.append("" if rec is None else f"{rec['seconds'] / 60:.1f}" + (" (error)" if rec["error"] else ""))
         lines.append(f"| `{name.removesuffix('.ipynb')}` | " + " | ".join(cells) + " |")
-    totals = [sum(r["seconds"] for r in runs[p]["notebooks"].values()) / 60 for p in profiles]
-    lines.append("| **all** | " + " | ".join(f"**{t:.1f}**" for t in totals) + " |")
+    totals = [f"**{sum(r['seconds'] for r in runs[p]['notebooks'].values()) / 60:.1f}**"
+              + ("" if len(runs[p]["notebooks"]) == len(names) else f" ({len(runs[p]['notebooks'])} notebooks)")
+              for p in profiles]
+    lines.append("| **all** | " + " | ".join(totals) + " |")
     lines.append("")
     for p in profiles:
         recs = runs[p]["notebooks"].values()
@@ -109,13 +122,32 @@ def minutes_table(timings_dir: Path = TIMINGS_DIR) -> str:
     return "\n".join(lines)
 
 
-def write_table(doc: Path, table: str, check: bool = False) -> bool:
+# Estimates, not measurements: a study pace for prose, a pace for reading (not typing) code, a time per exercise.
+WORDS_PER_MINUTE, CODE_LINES_PER_MINUTE, MINUTES_PER_EXERCISE = 120, 15, 10
+
+
+def estimate_table(notebook_dir: Path = REPO / "notebooks") -> str:
+    """Estimated minutes a learner spends reading and doing the exercises of each notebook, from its text."""
+    lines = ["| notebook | words | code lines | exercises | reading (min, est.) | exercises (min, est.) |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for path in sorted(notebook_dir.glob("[0-9][0-9]_*.ipynb")):
+        cells = nbformat.read(path, as_version=4).cells
+        words = sum(len(c.source.split()) for c in cells if c.cell_type == "markdown")
+        code = sum(len([ln for ln in c.source.splitlines() if ln.strip()]) for c in cells if c.cell_type == "code")
+        exercises = sum(bool(re.match(r"#+ Exercise \d", c.source)) for c in cells if c.cell_type == "markdown")
+        reading = words / WORDS_PER_MINUTE + code / CODE_LINES_PER_MINUTE
+        lines.append(f"| `{path.stem}` | {words:,} | {code:,} | {exercises} | {reading:.0f} | "
+                     f"{exercises * MINUTES_PER_EXERCISE} |")
+    return "\n".join(lines)
+
+
+def write_table(doc: Path, table: str, check: bool = False, start: str = START, end: str = END) -> bool:
     """Put the table between the markers of `doc`; with check, only report whether it is up to date."""
     text = doc.read_text()
-    if START not in text or END not in text:
-        raise SystemExit(f"error: {doc} lacks the markers {START} ... {END}")
-    head, rest = text.split(START, 1)
-    new = f"{head}{START}\n{table}\n{END}{rest.split(END, 1)[1]}"
+    if start not in text or end not in text:
+        raise SystemExit(f"error: {doc} lacks the markers {start} ... {end}")
+    head, rest = text.split(start, 1)
+    new = f"{head}{start}\n{table}\n{end}{rest.split(end, 1)[1]}"
     if not check and new != text:
         doc.write_text(new)
     return new == text
@@ -137,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         print(table)
         return 0
     up_to_date = write_table(args.write, table, check=args.check)
+    up_to_date &= write_table(args.write, estimate_table(), args.check, ESTIMATES_START, ESTIMATES_END)
     print(f"{args.write}: {'up to date' if up_to_date else ('out of date' if args.check else 'table rewritten')}")
     return 1 if args.check and not up_to_date else 0
 
