@@ -96,14 +96,14 @@ def generate_ids(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int 
 class TextStream:
     """Turns new token ids into text for `on_text`, whole characters only (the generate_ids `stream` callback).
 
-    An incremental UTF-8 decoder holds the bytes of a character that a byte-level token leaves unfinished. Bytes
-    that never form a character (a model can emit them) show as \\xNN, not as U+FFFD, which looks like a display
-    fault. `close()` flushes what is still held.
+    An incremental UTF-8 decoder holds the bytes of a character that a byte-level token leaves unfinished, so a
+    character split across tokens arrives whole. Bytes that never form a character (a model can emit them) show as
+    U+FFFD, as chat programs show them; `close()` flushes what is still held (an unfinished character: U+FFFD).
     """
 
     def __init__(self, tokenizer, on_text: Callable[[str], None] | None = None) -> None:
         self.tokenizer, self.on_text, self.ids, self.text = tokenizer, on_text, [], ""
-        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="backslashreplace")
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def __call__(self, token_id: int) -> None:
         """Record one new token and stream the text it completes (special tokens add none)."""
@@ -112,7 +112,7 @@ class TextStream:
             self._emit(self._utf8.decode(self.tokenizer.token_bytes(token_id)))
 
     def close(self) -> str:
-        """Flush the bytes still held (an unfinished last character shows as \\xNN); return the whole text."""
+        """Flush the bytes still held (an unfinished last character shows as U+FFFD); return the whole text."""
         self._emit(self._utf8.decode(b"", final=True))
         return self.text
 

@@ -476,23 +476,46 @@ CONVERSATIONS = [
     [{"role": "system", "content": "You are MiniMind."}, {"role": "user", "content": "2+2?"},
      {"role": "assistant", "content": "4."}, {"role": "user", "content": "床前明月光的下一句？"},
      {"role": "assistant", "content": "疑是地上霜。"}],
+    [{"role": "user", "content": "3+4?"},
+     {"role": "assistant", "content": "", "tool_calls": [{"type": "function",
+                                                          "function": {"name": "add", "arguments": {"a": 3, "b": 4}}}]},
+     {"role": "tool", "content": "7"}, {"role": "assistant", "content": "7."}],
 ]
 
 
-def check_08_sft_labels(fn: Callable, tok: Any) -> None:
-    """Exercise 08.1: labels of a conversation: its ids on assistant replies and their <|im_end|>\\n, -100 elsewhere."""
+def _last_reply(mask: list[int]) -> list[int]:
+    """Only the last run of 1s of a mask: the last assistant turn (the header between two turns is never trained)."""
+    end = max((k for k, m in enumerate(mask) if m), default=-1)
+    start = end
+    while start > 0 and mask[start - 1]:
+        start -= 1
+    return [int(start <= k <= end) for k in range(len(mask))]
+
+
+def check_08_last_reply_mask(fn: Callable, fewer_trained: int | None, tok: Any) -> None:
+    """Exercise 08.1: the mask of the last assistant turn only, and how many fewer tokens it trains on a file."""
+    import json
+
     from minimind_lib.corpus import encode_sft
+    from minimind_lib.paths import REPO_DIR
 
     def test():
         for conv in CONVERSATIONS:
-            ids, mask = encode_sft(tok, conv)
-            want = [int(i) if m else -100 for i, m in zip(ids, mask)]
-            got = [int(x) for x in fn(conv)]
-            assert len(got) == len(want), f"{len(got)} labels for {len(want)} tokens of the template's ids."
-            assert got == want, f"labels differ on a conversation of {len(conv)} turns."
-    return verdict("08.1", "ids = tok.apply_chat_template(conv, tokenize=True); label = id from each assistant "
-                   "header's end to its <|im_end|> and the newline after it (included), -100 elsewhere (notebook 02, "
-                   "section 3).", test, fn)
+            ids, mask = (a.tolist() for a in encode_sft(tok, conv))
+            assert [int(m) for m in fn(ids)] == _last_reply(mask), \
+                f"your mask differs on a conversation of {len(conv)} turns."
+        fewer = 0
+        with open(REPO_DIR / "data" / "sft_t2t_mini.jsonl", encoding="utf-8") as f:
+            for line_no, line in enumerate(f, 1):
+                ids, mask = (a.tolist() for a in encode_sft(tok, json.loads(line)["conversations"]))
+                assert [int(m) for m in fn(ids)] == _last_reply(mask), \
+                    f"your mask differs on data/sft_t2t_mini.jsonl line {line_no}."
+                fewer += sum(mask) - sum(_last_reply(mask))
+        assert fewer_trained == fewer, (f"fewer_trained = {fewer_trained!r} is not the difference over every line "
+                                        "of data/sft_t2t_mini.jsonl.")
+    return verdict("08.1", "start from assistant_mask_of(ids) and keep only its last run of 1s (each assistant turn "
+                   "is one run: the header between two turns is never trained); then add up sum(full) - sum(last) "
+                   "over the file's lines.", test, fn, fewer_trained)
 
 
 def check_08_masked_loss(fn: Callable) -> None:
