@@ -72,7 +72,7 @@ def case_args(case: dict) -> dict:
             "open_thinking": case["open_thinking"]}
 
 
-def test_the_template_is_the_asset_s_and_names_its_mode(course, minimind3):
+def test_the_asset_holds_the_template_and_its_switch_survives_save(course, minimind3):
     assert load_tokenizer().chat_template == CHAT_TEMPLATE == json.loads(
         (DEFAULT_DIR / "tokenizer_config.json").read_text(encoding="utf-8"))["chat_template"]
     assert CHAT_TEMPLATE.count(THINK_OFF) == 1 and THINK_ON not in CHAT_TEMPLATE
