@@ -217,7 +217,7 @@ class Tokenizer:
         self.bos_token_id, self.eos_token_id, self.pad_token_id, self.unk_token_id = (ids[k] for k in ROLE_KEYS)
         self.endoftext_id, self.im_start_id, self.im_end_id = (ids[name] for name in SPECIAL_TOKENS)
         self.chat_template: str = self.config.get("chat_template", CHAT_TEMPLATE)
-        # A <think> block on every assistant turn: as the course's template says ('set think = true'), or as MiniMind-3's
+        # <think> on every assistant turn: the course's template says so ('set think = true'); MiniMind-3's has </think>
         mode = re.search(r"\{%- set think = (true|false) %\}", self.chat_template)
         self.think = mode[1] == "true" if mode else "</think>" in self.chat_template
         markers = {t.content for t in hf.get_added_tokens_decoder().values()} | set(SPECIAL_TOKENS)

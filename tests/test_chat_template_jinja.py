@@ -112,7 +112,7 @@ def test_general_conversations_render_as_the_course_does(request, mode):
 def test_random_conversations_render_as_the_course_does(request, mode):
     """Seeded random conversations: every role, content None, newlines around <think>, both tool_call layouts."""
     pair, rng = request.getfixturevalue(mode), random.Random(0)
-    texts = ["", "\n", "\n\nx", "a\n", "你好 😀", "<think>\nr\n</think>\n\nans", "<think>r</think>", "x</think>\n\ny",
+    texts = ["", "\n", "\n\nx", "a\n", "你好 😀", "<think>\nr\n</think>\n\nans", "<think>r</think>", "x</think>\ny",
              "<think>a</think>b</think>c", "q'\"{{x}}\\n", None]
 
     def message(role: str) -> dict:
