@@ -28,11 +28,8 @@ DEFAULT_VOCAB_SIZE = 6400
 DEFAULT_DIR = ASSETS_DIR / "tokenizer"
 TOKENIZER_FILE, CONFIG_FILE = "tokenizer.json", "tokenizer_config.json"
 
-# The chat template as Jinja, for `transformers` users: the same as apply_chat_template for role/content messages (a
-# test compares); tools, tool turns and reasoning are rendered by apply_chat_template only.
-CHAT_TEMPLATE = ("{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + (message['content'] or "
-                 "'') + '<|im_end|>' + '\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant"
-                 "\\n' }}{%- if open_thinking is defined and open_thinking %}{{- '<think>\\n' }}{%- endif %}{%- endif %}")
+# The chat template as Jinja, for `transformers` users: chat_pieces' rules (tests/test_chat_template_jinja.py compares)
+CHAT_TEMPLATE = (ASSETS_DIR / "chat_template.jinja").read_text(encoding="utf-8")
 TOOLS_TURN = ('# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with '
               'function signatures within <tools></tools> XML tags:\n<tools>{tools}\n</tools>\n\nFor each function '
               'call, return a json object with function name and arguments within <tool_call></tool_call> XML '
@@ -220,7 +217,9 @@ class Tokenizer:
         self.bos_token_id, self.eos_token_id, self.pad_token_id, self.unk_token_id = (ids[k] for k in ROLE_KEYS)
         self.endoftext_id, self.im_start_id, self.im_end_id = (ids[name] for name in SPECIAL_TOKENS)
         self.chat_template: str = self.config.get("chat_template", CHAT_TEMPLATE)
-        self.think = "</think>" in self.chat_template  # MiniMind-3's template: every assistant turn has a <think> block
+        # <think> on every assistant turn: the course's template says so ('set think = true'); MiniMind-3's has </think>
+        mode = re.search(r"\{%- set think = (true|false) %\}", self.chat_template)
+        self.think = mode[1] == "true" if mode else "</think>" in self.chat_template
         markers = {t.content for t in hf.get_added_tokens_decoder().values()} | set(SPECIAL_TOKENS)
         self._special_re = re.compile(f"({'|'.join(map(re.escape, sorted(markers, key=len, reverse=True)))})")
         # A twin that encodes special-token strings as plain text (chat content): no shared flag to switch, no race

@@ -48,6 +48,12 @@ CONVERSATIONS = [
     [{"role": "user", "content": "Tell me a joke."}, {"role": "assistant", "content": "Why did the 🐍 cross?"},
      {"role": "user", "content": "  and another,\nplease  "}],
 ]
+TOOL_CONVERSATION = (  # tools, a tool call in OpenAI's nesting, a tool turn, reasoning: MiniMind-3's layout
+    [{"role": "system", "content": "You can add."}, {"role": "user", "content": "17+25?"},
+     {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {
+         "name": "add", "arguments": '{"a": 17, "b": 25}'}}]}, {"role": "tool", "content": "42"},
+     {"role": "assistant", "content": "42.", "reasoning_content": "The tool said 42."}],
+    [{"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {}}}}])
 
 
 @pytest.fixture(scope="module")
@@ -126,12 +132,13 @@ def test_tokenizer_gives_the_same_ids_and_chat_strings(exported, tok):
     _, hf_tok = load_hf(out)
     for text in ["Hello world", "你好，世界！", "  spaces\tand\nnewlines  ", "emoji 🐍 and <|im_end|> typed"]:
         assert hf_tok(text, add_special_tokens=False)["input_ids"] == tok.encode(text), text
-    for messages in CONVERSATIONS:
+    for messages, tools in [*((m, None) for m in CONVERSATIONS), TOOL_CONVERSATION]:
         for gen in (False, True):
-            text = hf_tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
-            assert text == tok.apply_chat_template(messages, add_generation_prompt=gen)
-            ids = hf_tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=gen)["input_ids"]
-            assert ids == tok.apply_chat_template(messages, add_generation_prompt=gen, tokenize=True)
+            text = hf_tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen, tools=tools)
+            assert text == tok.apply_chat_template(messages, add_generation_prompt=gen, tools=tools)
+            ids = hf_tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=gen, tools=tools)
+            assert ids["input_ids"] == tok.apply_chat_template(messages, add_generation_prompt=gen, tokenize=True,
+                                                               tools=tools)
     assert (hf_tok.bos_token_id, hf_tok.eos_token_id, hf_tok.pad_token_id) == (tok.bos_token_id, tok.eos_token_id,
                                                                                tok.pad_token_id)
 
