@@ -47,16 +47,13 @@ class MiniMindConfig:
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size",
-                     "max_position_embeddings"):
+                     "max_position_embeddings", "num_experts"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
                 raise ValueError(f"MiniMindConfig.{name}={getattr(self, name)!r}: must be a positive integer")
         if self.intermediate_size is None:
             self.intermediate_size = 64 * math.ceil(int(self.hidden_size * 8 / 3) / 64)
         if self.moe_intermediate_size is None:
             self.moe_intermediate_size = self.intermediate_size
-        for name in ("num_experts", "moe_intermediate_size"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
-                raise ValueError(f"MiniMindConfig.{name}={getattr(self, name)!r}: must be a positive integer")
         if not isinstance(self.num_experts_per_tok, int) or not 1 <= self.num_experts_per_tok <= self.num_experts:
             raise ValueError(f"MiniMindConfig.num_experts_per_tok={self.num_experts_per_tok!r}: must be an integer "
                              f"from 1 to num_experts={self.num_experts}")
@@ -258,9 +255,7 @@ class MoEFeedForward(nn.Module):
         self.k, self.norm_topk_prob = config.num_experts_per_tok, config.norm_topk_prob
         self.aux_coef = config.router_aux_loss_coef
         self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
-        self.experts = nn.ModuleList(FeedForward(config, config.moe_intermediate_size)
-                                     for _ in range(config.num_experts))
-        self.aux_loss: torch.Tensor | None = None
+        self.experts = nn.ModuleList(FeedForward(config, config.moe_intermediate_size) for _ in range(config.num_experts))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape, x = x.shape, x.reshape(-1, x.shape[-1])  # (N, C): routing is per token
@@ -381,8 +376,8 @@ class MiniMindForCausalLM(nn.Module):
                 attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
                 past_key_values: list | None = None, use_cache: bool = False,
                 logits_to_keep: int = 0) -> CausalLMOutput:
-        """Logits (B, T, V); loss (mean over non -100 shifted labels) when labels are given; KV cache if asked;
-        aux_loss summed over the MoE layers in training (not in `loss`: the training loop adds it, as MiniMind-3's)."""
+        """Logits (B, T, V); loss (mean over non -100 shifted labels) when labels are given; KV cache if asked; in
+        training the MoE layers' summed aux_loss (not in `loss`: the training loop adds it, as MiniMind-3's does)."""
         h, presents = self.model(input_ids, attention_mask, position_ids, past_key_values, use_cache)
         if logits_to_keep:  # generation only needs the last position(s)
             h = h[:, -logits_to_keep:]
