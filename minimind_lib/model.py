@@ -75,8 +75,8 @@ class MiniMindConfig:
             raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}")
         return cls(**{**PRESETS[name], **overrides})
 
-    def to_dict(self) -> dict:  # JSON-ready
-        return asdict(self)
+    def to_dict(self) -> dict:  # JSON-ready; a dense model's has no MoE fields (its config.json reads as before MoE)
+        return {k: v for k, v in asdict(self).items() if self.use_moe or k not in MOE_FIELDS}
 
     @classmethod
     def from_dict(cls, d: dict) -> "MiniMindConfig":
@@ -87,6 +87,8 @@ class MiniMindConfig:
         return cls(**d)
 
 
+MOE_FIELDS = ("use_moe", "num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+              "router_aux_loss_coef")
 PRESETS: dict[str, dict] = {
     "minimind2-small": dict(),  # MiniMind2-small exactly (head_dim 64, FFN 1408): 25,829,888 parameters.
     # MiniMind-3 dense exactly: head_dim 96, 4 kv heads, FFN 64 * ceil(768 * pi / 64) = 2432; 63,912,192 parameters.

@@ -175,9 +175,8 @@ def accumulate_step(model: nn.Module, micro_batches: Sequence[dict], *, amp_dtyp
             else:  # "naive", MiniMind's loop: each micro-batch's mean loss / k
                 loss = token_loss_sum / max(trained_tokens(mb["labels"]), 1) / k
             if aux is not None:  # MoE: weighed by the micro-batch's share of the step's tokens (naive: 1/k)
-                token = normalization == "token"
-                share = trained_tokens(micro_batches[i]["labels"]) / n_tokens_total if token else 1 / k
-                loss, has_aux = loss + aux * (share * world if token else share), True
+                share = trained_tokens(micro_batches[i]["labels"]) / n_tokens_total if normalization == "token" else 1 / k
+                loss, has_aux = loss + aux * (share * world if normalization == "token" else share), True
                 sums[1] += aux.detach().float() * share
             (scaler.scale(loss) if scaler is not None else loss).backward()
         sums[0] += token_loss_sum.detach().float()
