@@ -249,9 +249,9 @@ class FeedForward(nn.Module):
 
 
 class MoEFeedForward(nn.Module):
-    """MiniMind-3's mixture of experts: a router (`gate`) scores E SwiGLU experts per token; the token's output is the
-    sum of its top-k experts' outputs weighted by their scores. In training, `aux_loss` holds the load-balancing loss
-    coef * E * sum_e load_e * mean_score_e (load_e: picks of e per token), smallest when tokens spread evenly."""
+    """MiniMind-3's mixture of experts: a router (`gate`) scores E SwiGLU experts per token (softmax); the token's output
+    is its top-k experts' outputs weighted by their scores (rescaled to sum 1: norm_topk_prob). In training `aux_loss`
+    is the load-balancing loss coef * E * sum_e load_e * mean_score_e (load_e: picks of e per token, sum k)."""
     def __init__(self, config: MiniMindConfig):
         super().__init__()
         self.k, self.norm_topk_prob = config.num_experts_per_tok, config.norm_topk_prob
