@@ -249,30 +249,29 @@ class FeedForward(nn.Module):
 
 
 class MoEFeedForward(nn.Module):
-    """MiniMind-3's mixture of experts: a router (`gate`) scores E SwiGLU experts per token (softmax); the token's output
-    is its top-k experts' outputs weighted by their scores (rescaled to sum 1: norm_topk_prob). In training `aux_loss`
-    is the load-balancing loss coef * E * sum_e load_e * mean_score_e (load_e: picks of e per token, sum k)."""
+    """MiniMind-3's mixture of experts: a router (`gate`) scores E SwiGLU experts per token (softmax); the output is
+    the token's top-k experts' outputs weighted by their scores (rescaled to sum 1: norm_topk_prob). In training
+    `aux_loss` is the load-balancing loss coef * E * sum_e load_e * mean_score_e (load_e: picks of e per token)."""
     def __init__(self, config: MiniMindConfig):
         super().__init__()
-        self.k, self.norm_topk_prob = config.num_experts_per_tok, config.norm_topk_prob
-        self.aux_coef = config.router_aux_loss_coef
+        self.config = config
         self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
         self.experts = nn.ModuleList(FeedForward(config, config.moe_intermediate_size) for _ in range(config.num_experts))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape, x = x.shape, x.reshape(-1, x.shape[-1])  # (N, C): routing is per token
+        shape, x, c = x.shape, x.reshape(-1, x.shape[-1]), self.config  # (N, C): routing is per token
         scores = F.softmax(self.gate(x), dim=-1)  # (N, E)
-        weights, chosen = torch.topk(scores, self.k, dim=-1)  # (N, k)
-        if self.norm_topk_prob:
+        weights, chosen = torch.topk(scores, c.num_experts_per_tok, dim=-1)  # (N, k)
+        if c.norm_topk_prob:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         y = torch.zeros_like(x)
         for e, expert in enumerate(self.experts):  # every expert runs, on its tokens only (maybe none: grads of 0)
             token, slot = torch.where(chosen == e)  # a token picks an expert at most once
             y.index_add_(0, token, (expert(x[token]) * weights[token, slot, None]).to(y.dtype))
         self.aux_loss = None
-        if self.training and self.aux_coef > 0:  # all N positions count, padding included (as MiniMind-3's)
-            load = F.one_hot(chosen, len(self.experts)).sum(1).float().mean(0)  # (E,), sums to k
-            self.aux_loss = self.aux_coef * len(self.experts) * (load * scores.mean(0)).sum()
+        if self.training and c.router_aux_loss_coef > 0:  # all N positions count, padding included (as MiniMind-3's)
+            load = F.one_hot(chosen, c.num_experts).sum(1).float().mean(0)  # (E,), sums to k
+            self.aux_loss = c.router_aux_loss_coef * c.num_experts * (load * scores.mean(0)).sum()
         return y.view(shape)
 
 
