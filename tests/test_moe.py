@@ -273,7 +273,7 @@ def test_fit_logs_the_aux_loss_as_a_column_only_for_moe():
     cfg = TrainConfig(max_steps=3, accum_steps=1, warmup_steps=1, amp="off", progress=False, lr=1e-2)
     moe = fit(fresh(tiny_moe()), data, cfg, device="cpu")
     dense = fit(MiniMindForCausalLM(tiny_moe(use_moe=False)), data, cfg, device="cpu")
-    assert "aux_loss" in moe and moe["aux_loss"].gt(0).all() and moe["aux_loss"].lt(0.01).all()  # ~coef * k
+    assert "aux_loss" in moe and moe["aux_loss"].gt(0).all() and moe["aux_loss"].lt(0.01).all()  # >= coef * k per layer
     assert "aux_loss" not in dense
 
 
@@ -333,7 +333,7 @@ def test_tiny_moe_through_the_command_line_and_minimind3_scripts(tmp_path, monke
     assert main("sft", "--init", pre, "--out", sft, "--steps", 2) == 0
     for run in (pre, sft):
         metrics = pd.read_csv(run / "metrics.csv").query("step >= 0")
-        assert len(metrics) and metrics["aux_loss"].between(1e-5, 1e-2).all()  # ~ coef 5e-4 x k, logged apart
+        assert len(metrics) and metrics["aux_loss"].between(1e-5, 1e-2).all()  # >= 5e-4 x k per layer, apart
     model, tok, cfg = load_run(sft)
     assert cfg["model"]["use_moe"] and isinstance(model.model.layers[0].mlp, MoEFeedForward)
     assert cli.main(["chat", "--ckpt", str(sft), "--prompt", "hello", "--temperature", "0", "--max-new-tokens", "4"]) == 0
