@@ -19,6 +19,7 @@ from .checkpoint import load_run
 from .device import device_report
 from .export import DTYPES, export_run, import_hf
 from .generate import chat
+from .model import PRESETS
 from .pipeline import pretrain, sft
 from .profiles import get_profile
 
@@ -44,7 +45,7 @@ def _add_train_args(p: argparse.ArgumentParser, stage: str) -> None:
     p.add_argument("--out", required=True, help="run directory to write (config.json, model.pth, tokenizer/, metrics.csv, last.pt)")
     p.add_argument("--profile", default=None, help="sizes from this profile: smoke, workshop, cpu, gpu (default: MINIMIND_PROFILE or auto)")
     if stage == "pretrain":
-        p.add_argument("--config", default=None, help="model preset: minimind2-small, minimind-3, cpu, smoke (default: the profile's)")
+        p.add_argument("--config", default=None, help=f"model preset: {', '.join(PRESETS)} (default: the profile's)")
         p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the bundled 6400-token tokenizer)")
     else:
         p.add_argument("--init", required=True, help="the pretraining run directory to start from")

@@ -168,10 +168,8 @@ def estimate_memory(config, batch_size: int, seq_len: int, amp: str = "off", opt
       two RMSNorms saves its input x and the normalised x (fp32, for the gain's gradient), and the projection after
       it saves the norm's output (s bytes): 2 * (4 + 4 + s) NC; attention saves q, the repeated k and v and its
       output (4NC * s; k and v are N*n_kv*D each when not repeated); SwiGLU saves gate, silu(gate), up and their
-      product (4NF * s). The final norm adds (4 + 4 + s) NC. A mixture of experts (use_moe: E experts of width F,
-      k per token) holds all E experts in P but only its N*k routed rows in activations: each saves the SwiGLU's 4F,
-      its gathered input and weighted output (2C at s, one more under autocast, where the sum is cast back), the
-      float32 copy the index_add saves (4C); the router saves scores, choices and weights (~(4E + 36k + 4) N).
+      product (4NF * s). The final norm adds (4 + 4 + s) NC. Mixture of experts (E of width F, k per token): P holds all
+      E; N*k routed rows save 4F, input and output (2C at s, 3C under autocast) and index_add's fp32 copy (4C) each.
     - the head: the logits (NV * s, held by the caller), cross-entropy's fp32 log-softmax (4NV), and at the start
       of backward the gradients of the log-probs and of the logits (2 * 4NV) while those still live.
     The peak is the larger of: the start of backward (params + buffers + optimizer states of earlier steps +
@@ -212,8 +210,7 @@ def measure_step_memory(config, batch_size: int, seq_len: int, amp: str = "off",
     cannot hold. amp autocasts the forward (a GradScaler would not change memory)."""
     _check_step_args(batch_size, seq_len, amp, optimizer)
     if fake and config.use_moe:  # each expert's row count is data-dependent: a fake tensor has no values to route
-        raise ValueError("measure_step_memory(fake=True) cannot route tokens to experts (use_moe): fake tensors hold "
-                         "no values; measure a mixture of experts for real (fake=False) at a size this machine holds")
+        raise ValueError("measure_step_memory(fake=True) cannot route tokens to experts (use_moe): measure for real")
     device = torch.device("cpu") if fake else torch.device(device)  # fake tensors: bytes are device-independent
     meter = MemoryMeter(device)
     with FakeTensorMode() if fake else contextlib.nullcontext():

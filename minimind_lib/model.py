@@ -47,16 +47,13 @@ class MiniMindConfig:
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size",
-                     "max_position_embeddings"):
+                     "max_position_embeddings", "num_experts"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
                 raise ValueError(f"MiniMindConfig.{name}={getattr(self, name)!r}: must be a positive integer")
         if self.intermediate_size is None:
             self.intermediate_size = 64 * math.ceil(int(self.hidden_size * 8 / 3) / 64)
         if self.moe_intermediate_size is None:
             self.moe_intermediate_size = self.intermediate_size
-        for name in ("num_experts", "moe_intermediate_size"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
-                raise ValueError(f"MiniMindConfig.{name}={getattr(self, name)!r}: must be a positive integer")
         if not isinstance(self.num_experts_per_tok, int) or not 1 <= self.num_experts_per_tok <= self.num_experts:
             raise ValueError(f"MiniMindConfig.num_experts_per_tok={self.num_experts_per_tok!r}: must be an integer "
                              f"from 1 to num_experts={self.num_experts}")
@@ -78,8 +75,8 @@ class MiniMindConfig:
             raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}")
         return cls(**{**PRESETS[name], **overrides})
 
-    def to_dict(self) -> dict:  # JSON-ready
-        return asdict(self)
+    def to_dict(self) -> dict:  # JSON-ready; a dense model's has no MoE fields (its config.json reads as before MoE)
+        return {k: v for k, v in asdict(self).items() if self.use_moe or k not in MOE_FIELDS}
 
     @classmethod
     def from_dict(cls, d: dict) -> "MiniMindConfig":
@@ -90,6 +87,8 @@ class MiniMindConfig:
         return cls(**d)
 
 
+MOE_FIELDS = ("use_moe", "num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+              "router_aux_loss_coef")
 PRESETS: dict[str, dict] = {
     "minimind2-small": dict(),  # MiniMind2-small exactly (head_dim 64, FFN 1408): 25,829,888 parameters.
     # MiniMind-3 dense exactly: head_dim 96, 4 kv heads, FFN 64 * ceil(768 * pi / 64) = 2432; 63,912,192 parameters.
@@ -250,32 +249,29 @@ class FeedForward(nn.Module):
 
 
 class MoEFeedForward(nn.Module):
-    """MiniMind-3's mixture of experts: a router (`gate`) scores E SwiGLU experts per token; the token's output is the
-    sum of its top-k experts' outputs weighted by their scores. In training, `aux_loss` holds the load-balancing loss
-    coef * E * sum_e load_e * mean_score_e (load_e: picks of e per token), smallest when tokens spread evenly."""
+    """MiniMind-3's mixture of experts: a router (`gate`) scores E SwiGLU experts per token (softmax); the output is
+    the token's top-k experts' outputs weighted by their scores (rescaled to sum 1: norm_topk_prob). In training
+    `aux_loss` is the load-balancing loss coef * E * sum_e load_e * mean_score_e (load_e: picks of e per token)."""
     def __init__(self, config: MiniMindConfig):
         super().__init__()
-        self.k, self.norm_topk_prob = config.num_experts_per_tok, config.norm_topk_prob
-        self.aux_coef = config.router_aux_loss_coef
+        self.config = config
         self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
-        self.experts = nn.ModuleList(FeedForward(config, config.moe_intermediate_size)
-                                     for _ in range(config.num_experts))
-        self.aux_loss: torch.Tensor | None = None
+        self.experts = nn.ModuleList(FeedForward(config, config.moe_intermediate_size) for _ in range(config.num_experts))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape, x = x.shape, x.reshape(-1, x.shape[-1])  # (N, C): routing is per token
+        shape, x, c = x.shape, x.reshape(-1, x.shape[-1]), self.config  # (N, C): routing is per token
         scores = F.softmax(self.gate(x), dim=-1)  # (N, E)
-        weights, chosen = torch.topk(scores, self.k, dim=-1)  # (N, k)
-        if self.norm_topk_prob:
+        weights, chosen = torch.topk(scores, c.num_experts_per_tok, dim=-1)  # (N, k)
+        if c.norm_topk_prob:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         y = torch.zeros_like(x)
         for e, expert in enumerate(self.experts):  # every expert runs, on its tokens only (maybe none: grads of 0)
             token, slot = torch.where(chosen == e)  # a token picks an expert at most once
             y.index_add_(0, token, (expert(x[token]) * weights[token, slot, None]).to(y.dtype))
         self.aux_loss = None
-        if self.training and self.aux_coef > 0:  # all N positions count, padding included (as MiniMind-3's)
-            load = F.one_hot(chosen, len(self.experts)).sum(1).float().mean(0)  # (E,), sums to k
-            self.aux_loss = self.aux_coef * len(self.experts) * (load * scores.mean(0)).sum()
+        if self.training and c.router_aux_loss_coef > 0:  # all N positions count, padding included (as MiniMind-3's)
+            load = F.one_hot(chosen, c.num_experts).sum(1).float().mean(0)  # (E,), sums to k
+            self.aux_loss = c.router_aux_loss_coef * c.num_experts * (load * scores.mean(0)).sum()
         return y.view(shape)
 
 
@@ -381,8 +377,8 @@ class MiniMindForCausalLM(nn.Module):
                 attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
                 past_key_values: list | None = None, use_cache: bool = False,
                 logits_to_keep: int = 0) -> CausalLMOutput:
-        """Logits (B, T, V); loss (mean over non -100 shifted labels) when labels are given; KV cache if asked;
-        aux_loss summed over the MoE layers in training (not in `loss`: the training loop adds it, as MiniMind-3's)."""
+        """Logits (B, T, V); loss (mean over non -100 shifted labels) when labels are given; KV cache if asked; in
+        training the MoE layers' summed aux_loss (not in `loss`: the training loop adds it, as MiniMind-3's does)."""
         h, presents = self.model(input_ids, attention_mask, position_ids, past_key_values, use_cache)
         if logits_to_keep:  # generation only needs the last position(s)
             h = h[:, -logits_to_keep:]

@@ -149,15 +149,11 @@ def accumulate_step(model: nn.Module, micro_batches: Sequence[dict], *, amp_dtyp
                     scaler: torch.amp.GradScaler | None = None, device: torch.device | str | None = None,
                     n_tokens_total: int | None = None, normalization: str = "token") -> dict:
     """Forward+backward over the micro-batches of one optimizer step; gradients add up in .grad (no update).
-    Returns loss_sum, n_tokens, loss (their ratio), micro_batches, rows and padded_tokens; with a MoE model also
-    aux_loss, the step's load-balancing loss, which is added to the loss trained but not to `loss`.
-
-    The aux loss of a micro-batch is a mean over its positions (MiniMind-3 adds it to each micro-batch's mean loss,
-    then divides by k). Here micro-batch i's aux weighs n_i / N, its share of the step's trained tokens: every
-    trained token carries its micro-batch's aux, so the aux keeps MiniMind-3's per-token ratio to the language-model
-    loss however the step is split (a controller's halved micro-batches, a short SFT micro-batch, data parallel ranks:
-    the same global N, no extra count), and the step's aux is the token-weighted mean of its micro-batches'. It equals
-    MiniMind-3's when the micro-batches hold equal token counts ("naive" is MiniMind-3's 1/k)."""
+    Returns loss_sum, n_tokens, loss (their ratio), micro_batches, rows, padded_tokens and, for a MoE model, aux_loss:
+    trained, not in `loss`. MiniMind-3 adds each micro-batch's aux to its mean loss, then divides by k ("naive"); here
+    micro-batch i's aux weighs n_i / N, its share of the step's trained tokens, as each of its tokens' loss does: the
+    aux keeps its ratio to the loss however a step is split (halved after an OOM, short SFT rows, ranks), needs no
+    other count, and the step's aux is the token-weighted mean of its micro-batches' (MiniMind-3's for equal n_i)."""
     if normalization not in NORMALIZATIONS:
         raise ValueError(f"normalization={normalization!r}; choose one of {NORMALIZATIONS}")
     if not micro_batches:
@@ -179,9 +175,8 @@ def accumulate_step(model: nn.Module, micro_batches: Sequence[dict], *, amp_dtyp
             else:  # "naive", MiniMind's loop: each micro-batch's mean loss / k
                 loss = token_loss_sum / max(trained_tokens(mb["labels"]), 1) / k
             if aux is not None:  # MoE: weighed by the micro-batch's share of the step's tokens (naive: 1/k)
-                token = normalization == "token"
-                share = trained_tokens(micro_batches[i]["labels"]) / n_tokens_total if token else 1 / k
-                loss, has_aux = loss + aux * (share * world if token else share), True
+                share = trained_tokens(micro_batches[i]["labels"]) / n_tokens_total if normalization == "token" else 1 / k
+                loss, has_aux = loss + aux * (share * world if normalization == "token" else share), True
                 sums[1] += aux.detach().float() * share
             (scaler.scale(loss) if scaler is not None else loss).backward()
         sums[0] += token_loss_sum.detach().float()
