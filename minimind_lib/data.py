@@ -66,10 +66,9 @@ class DataStats:
 
 
 class _TokenDataset(Dataset):
-    """Documents as flat token ids + offsets (+ the SFT mask) from a jsonl file or a memmap, cut into rows: a document
-    longer than seq_len is truncated ("truncate", MiniMind's way: the rest is lost, and counted; a pretraining text
-    keeps its <|im_end|>: bos + text[:seq_len - 2] + eos) or, pretraining only, chunked ("chunk", the course's default
-    for runs) into rows of seq_len tokens overlapping by one: every next-token target is trained once."""
+    """Documents as flat token ids + offsets (+ the SFT mask) from a jsonl file or a memmap, cut into rows: a longer
+    document is truncated ("truncate", MiniMind's way, counted; a pretraining text keeps its eos) or, pretraining only,
+    chunked ("chunk", runs' default) into rows of seq_len tokens overlapping by one: each target is trained once."""
     def __init__(self, source, tokenizer, seq_len: int, *, on_error: str = "raise", max_samples: int | None = None,
                  vocab_size: int | None = None, lazy: bool = False, long_docs: str = "truncate"):
         if int(seq_len) < 2:
