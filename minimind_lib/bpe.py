@@ -1,11 +1,9 @@
 """Byte-level BPE from scratch: the code written cell by cell in notebook 01_tokenizer, same names, same order.
 
-Text -> UTF-8 bytes -> one token per byte; training repeatedly gives the most frequent adjacent pair of tokens a new
-id (a *merge*); encoding replays the merges in the order learned, each left to right; decoding joins the bytes.
-Two choices make it learn and encode exactly as `tokenizers`' BpeTrainer with `ByteLevel(add_prefix_space=False,
-use_regex=False)` and `initial_alphabet=ByteLevel.alphabet()` (notebook 01 and tests/test_bpe.py prove it):
-1. Byte ids follow `tokenizers`: bytes sorted by the printable character GPT-2 maps them to ('!' is 0, ' ' is 220).
-2. Count ties go to the smallest pair (left id, then right id), as BpeTrainer's priority queue does."""
+One token per UTF-8 byte; training gives the most frequent adjacent pair a new id (a *merge*), encoding replays the
+merges in the order learned. It learns and encodes exactly as `tokenizers`' BpeTrainer with ByteLevel(add_prefix_space=
+False, use_regex=False) and its alphabet (tests/test_bpe.py proves it) by two choices: byte ids sorted by the printable
+character GPT-2 maps them to ('!' is 0, ' ' is 220), and count ties going to the smallest pair, as BpeTrainer's do."""
 
 from collections import Counter
 from collections.abc import Iterable
@@ -22,8 +20,7 @@ def bytes_to_unicode() -> dict[int, str]:
 
 BYTE_TO_UNICODE: dict[int, str] = bytes_to_unicode()  # e.g. 32 (space) -> 'Ġ'
 UNICODE_TO_BYTE: dict[str, int] = {c: b for b, c in BYTE_TO_UNICODE.items()}
-# `tokenizers` numbers its alphabet in the order of these characters: so do we (b'!' is id 0, b' ' is id 220).
-BYTE_ORDER: list[int] = sorted(range(256), key=BYTE_TO_UNICODE.get)  # token id -> byte value
+BYTE_ORDER: list[int] = sorted(range(256), key=BYTE_TO_UNICODE.get)  # token id -> byte value, as `tokenizers` numbers
 BYTE_ID: dict[int, int] = {b: i for i, b in enumerate(BYTE_ORDER)}  # byte value -> token id
 
 
@@ -85,7 +82,6 @@ def decode(ids: Iterable[int], vocab: list[bytes]) -> str:
 
 class BPE:
     """The functions above bundled with their state: `BPE.train(texts, vocab_size)`, then encode / decode."""
-
     def __init__(self, merges: Merges, vocab: list[bytes]) -> None:
         self.merges, self.vocab = merges, vocab
 

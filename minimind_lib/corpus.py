@@ -31,7 +31,6 @@ PAYLOAD = {"pretrain": "text", "sft": "conversations"}  # the key of a record th
 ON_ERROR = ("raise", "skip")
 MEMMAP_FORMAT_VERSION = 2  # 2: SFT masks train the "\n" after <|im_end|> (MiniMind-3's tokens); older caches rebuild
 MAX_UINT16_VOCAB = 65535  # uint16 stores ids 0..65535, so a vocab of at most 65536 entries; we keep one margin id
-_MAX_EXAMPLES = 5  # how many skipped-line messages to keep for reports
 SYSTEM_PROMPTS = (  # MiniMind-3's pool for its SFT augmentation (augment_minimind3)
     "你是一个知识丰富的AI，尽力为用户提供准确的信息。", "你是minimind，一个小巧但有用的语言模型。", "你是一个专业的AI助手，请提供有价值的回答。",
     "你是minimind，请尽力帮助用户解决问题。", "你是一个可靠的AI，请给出准确的回答。", "You are a helpful AI assistant.",
@@ -59,8 +58,7 @@ def _check_text(text: Any, where: str, allow_blank: bool = False) -> None:
 
 
 def validate_record(record: Any, kind: str) -> None:
-    """Raise ValueError (message naming the key and value) unless `record` is a valid `kind` sample (SFT turns as
-    MiniMind-3 reads them, see data/README.md; every tool call answered by its own tool turn, right after it)."""
+    """Raise ValueError (naming the key and value) unless `record` is a valid `kind` sample (see data/README.md)."""
     check_choice("kind", kind, KINDS)
     if not isinstance(record, dict):
         raise ValueError(f"expected a JSON object, got {type(record).__name__}")
@@ -118,7 +116,6 @@ def _parse_line(raw: bytes, kind: str | None) -> Any:
 
 class JsonlReader:
     """A jsonl file's records; a bad line raises (file:line), or with on_error='skip' is skipped, counted, warned of."""
-
     def __init__(self, path: str | os.PathLike, on_error: str = "raise", kind: str | None = None,
                  max_samples: int | None = None):
         check_choice("on_error", on_error, ON_ERROR)
@@ -127,7 +124,7 @@ class JsonlReader:
             raise FileNotFoundError(f"jsonl file not found: {path}")
         self.path, self.on_error, self.kind, self.max_samples = path, on_error, kind, max_samples
         self.n_lines = self.n_records = self.n_blank = self.n_skipped = self.n_bytes = 0  # blank lines hold no sample
-        self.skipped_examples: list[str] = []  # the first few "file:line: reason" messages
+        self.skipped_examples: list[str] = []  # the first 5 "file:line: reason" messages, for reports
 
     def __iter__(self) -> Iterator[Any]:
         with open(self.path, "rb") as f:
@@ -146,7 +143,7 @@ class JsonlReader:
                         hint = "on_error='skip' (CLI: --on-error skip) skips and counts such lines"
                         raise DataFormatError(f"{message}  ({hint})") from None
                     self.n_skipped += 1
-                    self.skipped_examples += [message][:_MAX_EXAMPLES - len(self.skipped_examples)]
+                    self.skipped_examples += [message][:5 - len(self.skipped_examples)]
                     continue
                 self.n_records += 1
                 yield record
@@ -185,8 +182,7 @@ def _read_role(tokenizer, ids: list[int], i: int, header: list[int]) -> tuple[st
 
 
 def assistant_mask(tokenizer, ids: Sequence[int]) -> np.ndarray:
-    """uint8 mask over chat-template ids, MiniMind-3's trained tokens: 1 from after each ``<|im_start|>assistant\\n``
-    up to and including its ``<|im_end|>\\n``, 0 elsewhere. Anchored on the atomic special tokens."""
+    """uint8 mask of MiniMind-3's trained tokens: 1 from each ``<|im_start|>assistant\\n`` to its ``<|im_end|>\\n``."""
     ids, header = [int(i) for i in ids], list(tokenizer.encode("assistant\n", add_special_tokens=False))
     newline = list(tokenizer.encode("\n", add_special_tokens=False))
     n, bos, eos = len(ids), tokenizer.bos_token_id, tokenizer.eos_token_id
@@ -375,10 +371,8 @@ def tokenize_to_memmap(jsonl_path: str | os.PathLike, tokenizer, out_prefix: str
                        num_workers: int | None = None, kind: str = "pretrain", chunk_size: int = 512,
                        on_error: str = "raise", max_samples: int | None = None, force: bool = False,
                        progress: bool = True, augment_seed: int | None = None) -> MemmapInfo:
-    """Tokenize a jsonl file once into `<prefix>.bin` (uint16 ids), `.idx.npy` (int64 offsets, n+1), `.mask.bin` (SFT:
-    uint8 trained-token mask) and `.json` (written last: it marks a finished cache), streaming the file through
-    `num_workers` processes (0: here); reused while the source file (size, mtime), tokenizer and settings are unchanged.
-    augment_seed (SFT): MiniMind-3's augmentation, drawn once per sample here (MiniMind-3 draws again every epoch)."""
+    """Tokenize a jsonl file once, in `num_workers` processes (0: here), into `<prefix>.bin` (uint16 ids), `.idx.npy`
+    (offsets), `.mask.bin` (SFT) and `.json` (last: a finished cache); augment_seed (SFT): drawn once per sample."""
     reader = JsonlReader(jsonl_path, on_error=on_error, kind=kind, max_samples=max_samples)
     if augment_seed is not None and kind != "sft":
         raise ValueError(f"augment_seed is MiniMind-3's SFT augmentation; a {kind} file has no conversations")

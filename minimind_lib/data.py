@@ -1,6 +1,5 @@
-"""Datasets and batches, built in notebook 02_data: a jsonl file or ``corpus`` memmap -> {"input_ids", "labels"}
-samples (cut at seq_len, counted in ``stats``; untrained tokens labelled IGNORE_INDEX) -> ``pad_collate`` batches;
-the datasets of notebook 07_pretrain's runs (`memmap_dataset`, SFT's `holdout_split`)."""
+"""Datasets and batches, built in notebook 02_data: a jsonl file or memmap -> {"input_ids", "labels"} samples (cut
+at seq_len, counted in ``stats``) -> ``pad_collate`` batches; notebook 07_pretrain's run datasets (`memmap_dataset`)."""
 
 from __future__ import annotations
 
@@ -21,8 +20,7 @@ from .tokenizer import check_vocab
 
 IGNORE_INDEX = -100  # the label of a position whose next token is not trained (PyTorch CE ignore_index)
 LONG_DOCS = ("truncate", "chunk")  # what a pretrain dataset does with a document longer than seq_len
-# A run's pretraining document longer than seq_len is split into rows (no text lost); a conversation is truncated.
-LONG_DOCS_BY_KIND = {"pretrain": "chunk", "sft": "truncate"}
+LONG_DOCS_BY_KIND = {"pretrain": "chunk", "sft": "truncate"}  # a run's: documents split into rows, conversations cut
 SMALL_FILE_BYTES = 32 * 2**20  # below this, tokenize in this process (starting workers costs more than it saves)
 
 
@@ -68,10 +66,9 @@ class DataStats:
 
 
 class _TokenDataset(Dataset):
-    """Documents as flat token ids + offsets (+ the SFT mask) from a jsonl file or a memmap, cut into rows: a document
-    longer than seq_len is truncated ("truncate", MiniMind's way: the rest is lost, and counted; a pretraining text
-    keeps its <|im_end|>: bos + text[:seq_len - 2] + eos) or, pretraining only, chunked ("chunk", the course's default
-    for runs) into rows of seq_len tokens overlapping by one: every next-token target is trained once."""
+    """Documents as flat token ids + offsets (+ the SFT mask) from a jsonl file or a memmap, cut into rows: a longer
+    document is truncated ("truncate", MiniMind's way, counted; a pretraining text keeps its eos) or, pretraining only,
+    chunked ("chunk", runs' default) into rows of seq_len tokens overlapping by one: each target is trained once."""
     def __init__(self, source, tokenizer, seq_len: int, *, on_error: str = "raise", max_samples: int | None = None,
                  vocab_size: int | None = None, lazy: bool = False, long_docs: str = "truncate"):
         if int(seq_len) < 2:
@@ -188,10 +185,8 @@ class _TokenDataset(Dataset):
 
 
 class PretrainDataset(_TokenDataset):
-    """MiniMind pretrain samples: input_ids = [bos] + tokens + [eos], labels = input_ids; a longer text is cut to
-    [bos] + tokens[:seq_len - 2] + [eos] as MiniMind-3 cuts it (long_docs="truncate") or chunked. `source`: a jsonl
-    path (tokenized at once in memory; lazy=True: in __getitem__, like MiniMind), a memmap prefix or a memmap-backed
-    dataset (its memmap at this seq_len)."""
+    """MiniMind pretrain samples: [bos] + tokens + [eos], labels = input_ids. `source`: a jsonl path (tokenized at
+    once; lazy=True: in __getitem__, like MiniMind), a memmap prefix or a memmap-backed dataset (at this seq_len)."""
     kind = "pretrain"
 
 
@@ -241,11 +236,9 @@ def trained_tokens(labels: torch.Tensor) -> int:
 
 def memmap_dataset(path: Path, tok: Any, kind: str, seq_len: int, cache_dir: Path, max_samples: int | None = None,
                    progress: bool = False, on_error: str = "raise"):
-    """(dataset, MemmapInfo): `path` tokenized once into the memmap cache (reused while file and tokenizer agree).
-
-    The cache's name is the file's stem plus a hash of its absolute path, so two data.jsonl never collide."""
+    """(dataset, MemmapInfo): `path` tokenized once into the memmap cache (reused while file and tokenizer agree)."""
     digest = hashlib.sha1(str(Path(path).resolve()).encode()).hexdigest()[:8]
-    prefix = Path(cache_dir) / f"{Path(path).stem}.{kind}.{digest}"
+    prefix = Path(cache_dir) / f"{Path(path).stem}.{kind}.{digest}"  # a hash of the path: two data.jsonl never collide
     workers = 0 if Path(path).stat().st_size < SMALL_FILE_BYTES else None
     info = tokenize_to_memmap(path, tok, prefix, kind=kind, num_workers=workers, max_samples=max_samples,
                               progress=progress, on_error=on_error)
@@ -258,9 +251,7 @@ def memmap_dataset(path: Path, tok: Any, kind: str, seq_len: int, cache_dir: Pat
 
 
 def holdout_split(ds: Any, seed: int) -> tuple[Subset, Subset]:
-    """(train, held out): a fixed 5% of the conversations, drawn by seed, never trained on (SFT's validation set).
-
-    Both parts keep the dataset's `lengths` (token-budget batching needs them) and `stats`."""
+    """(train, held out): a fixed 5% of the conversations drawn by seed (SFT's validation set), with lengths, stats."""
     n_val = max(1, len(ds) // 20)
     order = torch.randperm(len(ds), generator=torch.Generator().manual_seed(seed)).tolist()
     parts = (Subset(ds, sorted(order[n_val:])), Subset(ds, sorted(order[:n_val])))

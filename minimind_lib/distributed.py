@@ -1,7 +1,6 @@
-"""Data parallelism with torchrun + DistributedDataParallel (NCCL or gloo), built in notebook 09_beyond_one_gpu:
-`setup` reads torchrun's environment (without torchrun: one process), a sampler deals each global step's micro-batches
-to the ranks, and `DDPController` all-reduces the step's trained-token count before any backward, so every rank
-divides by the same N (train.accumulate_step multiplies by world_size, as DDP averages, and uses no_sync())."""
+"""Data parallelism with torchrun + DistributedDataParallel (NCCL or gloo), built in notebook 09_beyond_one_gpu: a
+sampler deals each global step's micro-batches to the ranks, and `DDPController` all-reduces the step's trained-token
+count before any backward, so every rank divides by the same N (train.accumulate_step multiplies by world_size)."""
 
 import dataclasses
 import os
@@ -35,13 +34,10 @@ class DistInfo:
 
 def env_ranks(env: dict | None = None) -> tuple[int, int, int]:
     """(rank, world_size, local_rank) from torchrun's environment; (0, 1, 0) when not launched by torchrun."""
-    env, values = os.environ if env is None else env, []
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        raw = env.get(name) or None
-        if raw is not None and not raw.lstrip("-").isdigit():
-            raise ValueError(f"environment variable {name}={raw!r} is not an integer (torchrun sets it)")
-        values.append(raw if raw is None else int(raw))
-    rank, world, local = values
+    env, names = os.environ if env is None else env, ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+    if bad := [name for name in names if env.get(name) and not env[name].lstrip("-").isdigit()]:
+        raise ValueError(f"environment variable {bad[0]}={env[bad[0]]!r} is not an integer (torchrun sets it)")
+    rank, world, local = (int(env[name]) if env.get(name) else None for name in names)
     if world is None and rank not in (None, 0):
         raise ValueError(f"RANK={rank} is set but WORLD_SIZE is not: launch with torchrun --nproc_per_node=N")
     if world is not None and rank is None:
@@ -99,7 +95,6 @@ def assign_to_ranks(costs: Sequence[float], n_ranks: int) -> list[list[int]]:
 class DistributedTokenBudgetSampler:
     """Global steps of `accum_steps` token-budget micro-batches, each dealt to the ranks: yields this rank's share per
     step (index lists or `dataset` samples, maybe none); all ranks yield as many steps, each sample on one rank."""
-
     def __init__(self, lengths: Sequence[int] | np.ndarray, max_tokens: int, accum_steps: int, *,
                  num_replicas: int = 1, rank: int = 0, seed: int = 0, seq_len: int | None = None,
                  dataset: Sequence | None = None, **sampler_kwargs: Any) -> None:
@@ -107,10 +102,10 @@ class DistributedTokenBudgetSampler:
             raise ValueError(f"accum_steps must be >= 1, got {accum_steps}")
         if not 0 <= int(rank) < int(num_replicas):
             raise ValueError(f"rank={rank} is outside 0..{int(num_replicas) - 1} (num_replicas={num_replicas})")
-        self.accum_steps, self.num_replicas, self.rank = int(accum_steps), int(num_replicas), int(rank)
+        self.accum_steps, self.num_replicas, self.rank, self.epoch = int(accum_steps), int(num_replicas), int(rank), 0
         # the steps do not depend on the number of ranks: one token-budget sampler, the same seed on every rank
         self.base = TokenBudgetBatchSampler(lengths, max_tokens, seed=seed, seq_len=seq_len, **sampler_kwargs)
-        self.epoch, self.dataset = 0, dataset
+        self.dataset = dataset
 
     def global_steps(self, epoch: int | None = None) -> list[list[list[int]]]:
         """The epoch's optimizer steps, each a list of micro-batches, as one process would run them."""

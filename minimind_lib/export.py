@@ -1,7 +1,6 @@
-"""A model leaves the course, as notebook 08_sft ends: `export_run` writes a run directory in the `transformers`
-format (LlamaForCausalLM; Qwen3ForCausalLM with q/k norm; Qwen3MoeForCausalLM with MoE; model.safetensors; the tokenizer
-and its chat template), `import_hf` reads one back into a run directory. MiniMind's parameter names already are those
-classes', so the weights travel unrenamed; transformers is imported only to write its config."""
+"""A model leaves the course, as notebook 08_sft ends: `export_run` writes a run directory in the `transformers` format
+(Llama, Qwen3 or Qwen3-MoE classes, model.safetensors, the tokenizer), `import_hf` reads one back into a run directory.
+MiniMind's parameter names already are those classes', so the weights travel unrenamed."""
 
 from __future__ import annotations
 
@@ -96,8 +95,7 @@ def minimind_config(c: dict, path: Path) -> MiniMindConfig:
 
 
 def import_hf(hf_dir: str | Path, run_dir: str | Path, overwrite: bool = False) -> Path:
-    """A run directory (config.json, model.pth, tokenizer/) that `chat` and `sft --init` accept, from a transformers
-    directory of a shape the course can express (one export_run wrote, or a Llama/Qwen3 one); returns it."""
+    """A run directory for `chat` and `sft --init` from a transformers directory the course can express; returns it."""
     hf_dir, out, path = Path(hf_dir), Path(run_dir), Path(hf_dir) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: {hf_dir} is not a transformers model directory")

@@ -1,7 +1,5 @@
-"""Profiles, shown in notebook 00_setup: how big every experiment in the course is, chosen once, in one place.
-
-A profile is data: notebooks and the CLI read their sizes from it, so the same notebook runs in seconds in CI
-(``smoke``), in a minute in class (``workshop``), in minutes on a laptop (``cpu``), as MiniMind2-small on a GPU."""
+"""Profiles, shown in notebook 00_setup: the sizes every notebook and the CLI read, so one notebook runs in seconds
+in CI (``smoke``), a minute in class (``workshop``), minutes on a laptop (``cpu``), as MiniMind2-small on a GPU."""
 
 import os
 from dataclasses import asdict, dataclass, replace
@@ -40,13 +38,11 @@ PROFILES: dict[str, Profile] = {
     # A classroom of 2-core laptops: each notebook in ~90 s; the smoke model on 25x smoke's tokens writes words.
     "workshop": Profile(name="workshop", model="smoke", seq_len=128, batch_size=4, accum_steps=4, lr=1e-2,
                         train_steps=24, pretrain_steps=300, sft_steps=60, eval_every=50, max_samples=4000),
-    # A learner's laptop CPU: a few minutes per notebook, the loss visibly falls. The pretraining run is
-    # 100 x 4 x 1024 = 410k padded tokens (about 2.5 minutes on a quiet 2-core machine), SFT half of that.
+    # A learner's laptop CPU: minutes per notebook, the loss visibly falls; pretraining is 100 x 4 x 1024 = 410k tokens.
     "cpu": Profile(name="cpu", model="cpu", seq_len=256, batch_size=4, accum_steps=4, lr=2e-3,
                    train_steps=60, pretrain_steps=100, sft_steps=50, eval_every=10, max_samples=None),
-    # The real MiniMind2-small at seq 512, sized by the bundled data (not a guess of GPU speed): data/pretrain.jsonl
-    # is 2.30M tokens, so 300 x 2 x 16384 = 9.8M padded tokens is ~4 epochs; data/sft.jsonl (0.66M tokens): 50 x 2 x
-    # 16384 is ~2.5 epochs. For real training bring MiniMind's 1.6 GB pretrain file and raise the steps.
+    # MiniMind2-small at seq 512, sized by the bundled data: 300 x 2 x 16384 = 9.8M padded tokens is ~4 epochs of
+    # data/pretrain.jsonl (2.30M tokens), 50 x 2 x 16384 ~2.5 of data/sft.jsonl (0.66M). Real training: bring more data.
     "gpu": Profile(name="gpu", model="minimind2-small", seq_len=512, batch_size=32, accum_steps=2, lr=1e-3,
                    train_steps=200, pretrain_steps=300, sft_steps=50, eval_every=25, max_samples=None),
 }
