@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from tqdm import tqdm  # a text bar: an executed notebook keeps its final state, not a widget's first
 
-from .fileio import atomic_open, atomic_write_text
+from .fileio import atomic_open, atomic_write_text, file_fingerprint
 from .tokenizer import ROLES, check_text, check_turn_extras
 
 KINDS = ("pretrain", "sft")
@@ -287,9 +287,8 @@ def tokenizer_fingerprint(tokenizer) -> str:
 
 def _cache_key(jsonl_path: str | os.PathLike, tokenizer, kind: str, max_samples: int | None, on_error: str) -> dict:
     """What a cache was built from; a cache whose key differs from the current one is stale and rebuilt."""
-    st = Path(jsonl_path).stat()
-    return {"format": "minimind-memmap", "version": MEMMAP_FORMAT_VERSION, "kind": kind,
-            "source": {"path": str(Path(jsonl_path).resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns},
+    return {"format": "minimind-memmap", "version": MEMMAP_FORMAT_VERSION, "kind": kind,  # the resume check's hash:
+            "source": {"path": str(Path(jsonl_path).resolve()), **file_fingerprint(jsonl_path)},  # they agree
             "tokenizer": {"fingerprint": tokenizer_fingerprint(tokenizer), "vocab_size": int(tokenizer.vocab_size)},
             "max_samples": max_samples, "on_error": on_error}
 
@@ -325,7 +324,7 @@ def tokenize_to_memmap(jsonl_path: str | os.PathLike, tokenizer, out_prefix: str
                        progress: bool = True) -> MemmapInfo:
     """Tokenize a jsonl file once into `<prefix>.bin` (uint16 ids), `.idx.npy` (int64 offsets, n+1), `.mask.bin` (SFT:
     uint8 trained-token mask) and `.json` (written last: it marks a finished cache), streaming the file through
-    `num_workers` processes (0: here); reused while the source file (size, mtime), tokenizer and settings are unchanged."""
+    `num_workers` processes (0: here); reused while the source file (size, SHA-1), tokenizer and settings are unchanged."""
     reader = JsonlReader(jsonl_path, on_error=on_error, kind=kind, max_samples=max_samples)
     if int(tokenizer.vocab_size) > MAX_UINT16_VOCAB:
         raise ValueError(f"tokenizer vocab_size={tokenizer.vocab_size} does not fit uint16 token files "
