@@ -377,6 +377,7 @@ def test_a_run_that_never_trained_fails_and_skipped_steps_are_not_counted(tmp_pa
     code, stdout, err = run_cli(["pretrain", "--out", out, "--steps", 8, "--cache", cache] + TINY_CLI, capsys)
     assert code == 2 and "no optimizer step was applied: all 8 step(s) were skipped (nonfinite_loss_skipped)" in err
     assert stdout == "" and not (out / "summary.json").exists() and not (out / "model.pth").exists()
+    monkeypatch.undo()
     nan_forward(monkeypatch, lambda n: n == 2)  # only the second step's loss is NaN
     code, stdout, err = run_cli(["pretrain", "--out", tmp_path / "one", "--steps", 4, "--cache", cache] + TINY_CLI,
                                 capsys)
