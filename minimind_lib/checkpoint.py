@@ -234,20 +234,16 @@ def check_resume(out: Path, run_cfg: dict, cfg: Any, dinfo: Any) -> dict | None:
     if saved["tokenizer"].get("fingerprint") != run_cfg["tokenizer"]["fingerprint"]:
         raise RunError(f"cannot resume {out}: the tokenizer differs from the run's ({saved['tokenizer']} vs "
                        f"{run_cfg['tokenizer']})")
-    if not (out / STATE_FILE).is_file():
-        try:
-            check_config(saved["train"], cfg, out / CONFIG_FILE)
-        except ValueError as e:
-            raise RunError(f"{e}; use the run's settings (see its config.json) or start a new --out") from None
-        return None
-    state = read_training_state(out / STATE_FILE)  # clear error for a corrupt last.pt
-    if int(state["step"]) >= cfg.max_steps and (out / SUMMARY_FILE).is_file():
+    state = read_training_state(out / STATE_FILE) if (out / STATE_FILE).is_file() else None  # None: no checkpoint yet
+    if state is not None and int(state["step"]) >= cfg.max_steps and (out / SUMMARY_FILE).is_file():
         raise RunError(f"{out} is a finished run ({state['step']} of {cfg.max_steps} steps): nothing to resume, "
                        f"nothing changed; train longer in a new --out (e.g. sft --init {out})")
     try:
-        check_config(state["config"], cfg, out / STATE_FILE)
+        check_config(state["config"] if state else saved["train"], cfg, out / (STATE_FILE if state else CONFIG_FILE))
     except ValueError as e:
         raise RunError(str(e) + "; use the run's settings (see its config.json) or start a new --out") from None
+    if state is None:
+        return None
     saved_ddp = "world_size" in (state.get("controller") or {})  # a DDP state counts global steps
     if saved_ddp != (dinfo is not None):
         raise RunError(f"cannot resume {out}: it was trained {'with' if saved_ddp else 'without'} torchrun (data "

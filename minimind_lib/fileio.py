@@ -55,12 +55,6 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
         f.write(text)
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """Write `data` to `path` atomically."""
-    with atomic_open(path, "wb") as f:
-        f.write(data)
-
-
 @contextlib.contextmanager
 def exclusive_dir(directory: str | os.PathLike) -> Iterator[Path]:
     """Hold an exclusive lock on a directory for the block (another holder: FileExistsError naming its pid, kept in

@@ -291,7 +291,7 @@ class Recorder:
         elif rows:  # fit's final save: it tags the last row after this call
             rows[-1]["event"] = ";".join(e for e in (rows[-1].get("event", ""), "ckpt") if e)
         if row is not None and not row.get("skipped"):  # this step's samples go into last.pt with it
-            self.maybe_sample(row["step"] + 1)
+            self.sample(row["step"] + 1)
         return {"metrics_csv": self.frame(rows).to_csv(index=False), "samples": list(self.samples)}
 
     def write_metrics(self) -> None:
@@ -299,29 +299,23 @@ class Recorder:
         if self.write:
             atomic_write_text(self.out / METRICS_FILE, self.frame().to_csv(index=False))
 
-    def maybe_sample(self, done: int) -> None:
-        """Greedy continuations (SFT: answers) of the fixed prompts every `sample_every` steps, once per step."""
+    def sample(self, done: int) -> None:
+        """Every `sample_every` steps (once), greedy continuations (SFT: answers) of the fixed prompts."""
         s = self.s
         if (self.write and s.sample_prompts and s.sample_every and done % s.sample_every == 0
                 and not (self.samples and self.samples[-1]["step"] == done)):
-            self.sample(done)
-
-    def sample(self, done: int) -> None:
-        """Greedy continuations (SFT: answers) of the fixed prompts, appended to samples.jsonl."""
-        for p in self.s.sample_prompts:
-            if self.s.stage == "sft":
-                text = chat_reply(self.model, self.tok, [{"role": "user", "content": p}], temperature=0.0,
-                                  max_new_tokens=24)
-            else:
-                text = generate(self.model, self.tok, p, max_new_tokens=24, temperature=0.0)
-            self.samples.append({"step": done, "prompt": p, "text": text})
-        self.write_samples()
+            for p in s.sample_prompts:
+                text = (chat_reply(self.model, self.tok, [{"role": "user", "content": p}], temperature=0.0,
+                                   max_new_tokens=24) if s.stage == "sft"
+                        else generate(self.model, self.tok, p, max_new_tokens=24, temperature=0.0))
+                self.samples.append({"step": done, "prompt": p, "text": text})
+            self.write_samples()
 
     def write_samples(self) -> None:
-        """samples.jsonl, atomically (a resumed run first rewrites it as its checkpoint holds them)."""
+        """samples.jsonl, atomically, as the list holds them (a resumed run's: as its checkpoint saw them)."""
         if self.write and (self.samples or (self.out / SAMPLES_FILE).exists()):
-            atomic_write_text(self.out / SAMPLES_FILE,
-                              "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in self.samples))
+            lines = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in self.samples)
+            atomic_write_text(self.out / SAMPLES_FILE, lines)
 
     def __call__(self, step: int, row: dict) -> str | None:
         for event in str(row.get("event", "")).split(";"):
@@ -333,8 +327,8 @@ class Recorder:
         done = step + (0 if row.get("skipped") else 1)
         if "ckpt" in str(row.get("event", "")).split(";"):
             self.write_metrics()
-        if not row.get("skipped"):
-            self.maybe_sample(done)
+        if not row.get("skipped"):  # already taken when this step checkpointed
+            self.sample(done)
         stop = self.interrupted or (self.s.stop_after is not None and done >= self.s.stop_after)
         return "stop" if stop else None
 
