@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from .corpus import tokenizer_fingerprint
-from .fileio import TMP_PREFIX, atomic_open, atomic_write_text, remove_stale_temps
+from .fileio import TMP_PREFIX, atomic_open, atomic_write_text
 from .model import MiniMindConfig, MiniMindForCausalLM, check_state_dict, load_checkpoint, unreadable_checkpoint
 from .tokenizer import CONFIG_FILE as TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, check_vocab, load_tokenizer
 
@@ -273,12 +273,12 @@ def load_run(run_dir: str | Path, device: torch.device | str | None = None):
 
 
 def start_run_dir(out: Path, run_cfg: dict, tok: Any, resume: bool) -> None:
-    """Write config.json and tokenizer/ (a fresh run first removes a replaced run's files; a run's directory also the
-    temp files an interrupted write of this program left)."""
+    """Write config.json and tokenizer/ (a fresh run first removes a replaced run's files, any run its stale temps)."""
     out.mkdir(parents=True, exist_ok=True)
-    with contextlib.suppress(FileNotFoundError, RunError):  # only a run directory of this program: its temps are ours
-        read_run_config(out)
-        remove_stale_temps(out)
+    with contextlib.suppress(FileNotFoundError, RunError):  # a run directory of this program: TMP_PREFIX files are
+        read_run_config(out)  # what an interrupted write of ours left there
+        for stale in out.glob(TMP_PREFIX + "*"):
+            shutil.rmtree(stale) if stale.is_dir() else stale.unlink()
     if not resume:  # --overwrite: a stale last.pt or metrics.csv must not survive into the new run
         for name in RUN_FILES:
             (out / name).unlink(missing_ok=True)

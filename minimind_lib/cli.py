@@ -42,10 +42,9 @@ POSITIVE, NON_NEGATIVE = number(int, 1), number(int, 0)
 def device(text: str) -> str:
     """An argparse type: a device torch can parse, else the forms it takes."""
     try:
-        torch.device(text)
+        return str(torch.device(text))
     except RuntimeError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a device: use cpu, cuda, cuda:N (N: a GPU's index) or mps")
-    return text
 
 
 def _add_train_args(p: argparse.ArgumentParser, stage: str) -> None:

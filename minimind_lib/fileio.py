@@ -7,7 +7,6 @@ import contextlib
 import errno
 import hashlib
 import os
-import shutil
 import tempfile
 from pathlib import Path
 from typing import IO, Iterator
@@ -83,12 +82,6 @@ def exclusive_dir(directory: str | os.PathLike) -> Iterator[Path]:
         if created and not any(directory.iterdir()):
             directory.rmdir()
         os.close(fd)
-
-
-def remove_stale_temps(directory: str | os.PathLike) -> None:
-    """Remove what an interrupted atomic write of this program left in `directory` (TMP_PREFIX names only)."""
-    for stale in Path(directory).glob(TMP_PREFIX + "*"):
-        shutil.rmtree(stale) if stale.is_dir() else stale.unlink()
 
 
 def file_fingerprint(path: str | os.PathLike) -> dict:

@@ -344,9 +344,8 @@ class MiniMindForCausalLM(nn.Module):
         if logits_to_keep:  # generation only needs the last position(s)
             h = h[:, -logits_to_keep:]
         logits = self.lm_head(h)
-        # A mean over no tokens is 0/0: say so rather than return NaN (CPU labels only: on a GPU it would stall)
-        cpu_labels = type(labels) is torch.Tensor and labels.device.type == "cpu" and labels.dim() == 2
-        if cpu_labels and not bool((labels[:, 1:] != IGNORE_INDEX).any()):
+        cpu_labels = type(labels) is torch.Tensor and labels.device.type == "cpu" and labels.dim() == 2  # GPU: no stall
+        if cpu_labels and not bool((labels[:, 1:] != IGNORE_INDEX).any()):  # a mean over no tokens is 0/0
             raise ValueError("the loss is undefined: every label after the first position is -100 (ignored), so no "
                              "token is predicted and the mean over none is NaN; lm_loss(..., reduction='sum') gives 0")
         loss = lm_loss(logits, labels) if labels is not None else None

@@ -261,19 +261,18 @@ def _datasets(s: RunSettings, tok: Any, dinfo: Any, log: Callable[[str], None]) 
 
 # ----------------------------------------------------------------------------------- 4. the loop  5. the run directory
 class Recorder:
-    """fit's callback: keeps the metrics rows (and puts them into every checkpoint, so --resume restores exactly the
-    rows of its step), rewrites metrics.csv with every checkpoint, marks the rows a NaN rollback undid, generates
-    samples every `sample_every` steps, stops after `stop_after` steps or on SIGINT/SIGTERM (fit then saves)."""
+    """fit's callback: keeps the metrics rows and samples (and puts them into every checkpoint, so --resume restores
+    exactly those of its step), rewrites metrics.csv and samples.jsonl after every checkpoint, marks the rows a NaN
+    rollback undid, generates samples every `sample_every` steps (before that step's checkpoint), stops after
+    `stop_after` steps or on SIGINT/SIGTERM (fit then saves)."""
 
     def __init__(self, out: Path, s: RunSettings, saved_state: dict | None, model: Any, tok: Any, write: bool) -> None:
         self.out, self.s, self.model, self.tok, self.write, self.rows = out, s, model, tok, write, []
         self.prior, self.samples, self.interrupted = pd.DataFrame(), [], None
         if saved_state is not None:  # the rows and samples of the steps the checkpoint holds
-            start_step, saved_csv = int(saved_state["step"]), saved_state.get("extra", {}).get("metrics_csv")
-            if saved_csv or (out / METRICS_FILE).is_file():
-                self.prior = pd.read_csv(io.StringIO(saved_csv) if saved_csv else out / METRICS_FILE)
-                self.prior = self.prior.query(f"step < {start_step}")
-            self.samples = list(saved_state.get("extra", {}).get("samples", []))  # as the checkpoint saw them
+            extra = saved_state.get("extra", {})
+            self.prior = pd.read_csv(io.StringIO(extra["metrics_csv"])).query(f"step < {saved_state['step']}")
+            self.samples = list(extra.get("samples", []))
 
     def frame(self, rows: list[dict] | None = None) -> pd.DataFrame:
         """The whole run's metrics: earlier invocations' rows, then this one's, with tokens_seen (rolled back: 0)."""
@@ -295,9 +294,12 @@ class Recorder:
         return {"metrics_csv": self.frame(rows).to_csv(index=False), "samples": list(self.samples)}
 
     def write_metrics(self) -> None:
-        """metrics.csv, atomically (it always matches the last checkpoint)."""
+        """metrics.csv and samples.jsonl, atomically, after each checkpoint: they always hold what last.pt holds."""
         if self.write:
             atomic_write_text(self.out / METRICS_FILE, self.frame().to_csv(index=False))
+        if self.write and self.samples:
+            atomic_write_text(self.out / SAMPLES_FILE, "".join(json.dumps(r, ensure_ascii=False) + "\n"
+                                                               for r in self.samples))
 
     def sample(self, done: int) -> None:
         """Every `sample_every` steps (once), greedy continuations (SFT: answers) of the fixed prompts."""
@@ -309,13 +311,6 @@ class Recorder:
                                    max_new_tokens=24) if s.stage == "sft"
                         else generate(self.model, self.tok, p, max_new_tokens=24, temperature=0.0))
                 self.samples.append({"step": done, "prompt": p, "text": text})
-            self.write_samples()
-
-    def write_samples(self) -> None:
-        """samples.jsonl, atomically, as the list holds them (a resumed run's: as its checkpoint saw them)."""
-        if self.write and (self.samples or (self.out / SAMPLES_FILE).exists()):
-            lines = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in self.samples)
-            atomic_write_text(self.out / SAMPLES_FILE, lines)
 
     def __call__(self, step: int, row: dict) -> str | None:
         for event in str(row.get("event", "")).split(";"):
@@ -377,7 +372,6 @@ def _finish(rec: Recorder, df: pd.DataFrame, run_cfg: dict, wall: float, start_s
     if rec.write:
         save_checkpoint(rec.model, rec.out / MODEL_FILE)  # a bare state dict
         rec.write_metrics()
-        rec.write_samples()
     prior_tokens = int(rec.prior["tokens"][applied(rec.prior)].sum()) if len(rec.prior) else 0
     summary = {"stage": rec.s.stage, "profile": run_cfg["profile"], "device": run_cfg["device"],
                "model_preset": run_cfg["model_preset"], **summarize(full, wall), "prior_tokens": prior_tokens,
@@ -429,9 +423,8 @@ def _run(s: RunSettings, dinfo: Any = None) -> RunResult:
         log(f"{s.stage}: {s.steps} steps x {s.accum_steps} micro-batches of <= {s.max_tokens} tokens (seq_len "
             f"{s.seq_len}), lr {s.lr:g}, {amp.reason}, device {device}"
             + (f", {dinfo.world_size} ranks ({dinfo.backend})" if dinfo is not None else "")
-            + (f"; resuming {out} at step {start_step} of {s.steps}" if saved_state is not None else "")
-            + (f"; {out} holds no checkpoint yet: starting it again from step 0 with its recorded settings"
-               if s.resume and saved_state is None else ""))
+            + ((f"; resuming {out} at step {start_step} of {s.steps}" if saved_state else f"; {out} holds no "
+                "checkpoint yet: starting it again from step 0 with its recorded settings") if s.resume else ""))
         t0 = time.perf_counter()
         if saved_state is None and val and main:
             rec.prior = eval_before_training(model, val, device, amp.dtype)

@@ -146,8 +146,8 @@ def accumulate_step(model: nn.Module, micro_batches: Sequence[dict], *, amp_dtyp
                     scaler: torch.amp.GradScaler | None = None, device: torch.device | str | None = None,
                     n_tokens_total: int | None = None, normalization: str = "token") -> dict:
     """Forward+backward over the micro-batches of one optimizer step; gradients add up in .grad (no update).
-    Returns loss_sum, n_tokens, loss (their ratio), micro_batches, rows, padded_tokens and empty_micro_batches (all
-    labels -100: not run, except under DDP, whose gradient sync needs every rank's backward; they add 0 there)."""
+    Returns loss_sum, n_tokens, loss (their ratio), micro_batches, rows, padded_tokens, empty_micro_batches (labels
+    all -100: not run; under DDP run, adding 0, as the gradient sync needs every rank's backward)."""
     if normalization not in NORMALIZATIONS:
         raise ValueError(f"normalization={normalization!r}; choose one of {NORMALIZATIONS}")
     if not micro_batches:
@@ -354,9 +354,8 @@ class _Run:
         return row
 
     def count_bad_step(self, row: dict) -> None:
-        """Advance the step; after cfg.max_bad_steps NaN/inf steps in a row, roll back to last.pt at a lower LR (a
-        step with no trained tokens is skipped, but is no sign of divergence)."""
-        bad = row["skipped"] and row["tokens"] > 0
+        """Advance the step; after cfg.max_bad_steps NaN/inf steps in a row, roll back to last.pt at a lower LR."""
+        bad = row["skipped"] and row["tokens"] > 0  # a step without trained tokens is skipped: no sign of divergence
         self.bad_in_row = self.bad_in_row + 1 if bad else 0
         self.bad_steps += int(bad)
         self.step += 1  # a rollback then rewinds it
@@ -419,8 +418,7 @@ def fit(model: nn.Module, train_batches_or_loader: Iterable, cfg: TrainConfig, *
     df = pd.DataFrame(rows)
     df.attrs.update({"amp": run.amp.name, "amp_reason": run.amp.reason, "bad_steps": run.bad_steps,
                      "rollbacks": run.rollbacks, "scaler_skips": run.scaler_skips, "final_lr_scale": run.lr_scale,
-                     "data_exhausted": run.data_exhausted, "dropped_micro_batches": run.dropped_micro_batches,
-                     "empty_micro_batches": sum(r.get("empty_micro_batches", 0) for r in rows)})
+                     "data_exhausted": run.data_exhausted, "dropped_micro_batches": run.dropped_micro_batches})
     if run.data_exhausted:
         warnings.warn(f"training data ran out after {run.step} of {cfg.max_steps} steps; {run.dropped_micro_batches} "
                       f"micro-batch(es) of an incomplete step were not trained", stacklevel=2)

@@ -465,7 +465,7 @@ def test_the_loop_never_steps_on_a_micro_batch_without_trained_tokens():
              callbacks=[lambda step, row: weights.append(model.lm_head.weight.detach().clone())])
     assert df["applied"].tolist() == [True, False, True] and df["skipped"].tolist() == [False, True, False]
     assert "no_trained_tokens_skipped" in df["event"].iloc[1] and df.attrs["bad_steps"] == 0
-    assert df.attrs["empty_micro_batches"] == 1 and torch.equal(weights[0], weights[1])  # AdamW did not move them
+    assert df["empty_micro_batches"].sum() == 1 and torch.equal(weights[0], weights[1])  # AdamW did not move them
     with pytest.raises(RuntimeError, match=r"no optimizer step was applied: all 2 step\(s\) were skipped "
                                            r"\(no_trained_tokens_skipped\)"):
         fit(model, [empty], TrainConfig(max_steps=2, warmup_steps=0, amp="off", progress=False), device="cpu")
