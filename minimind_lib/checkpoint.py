@@ -180,12 +180,10 @@ def read_run_config(run_dir: str | Path) -> dict:
         cfg = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise RunError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(cfg, dict) or cfg.get("format") != RUN_FORMAT:
-        found = cfg.get("format") if isinstance(cfg, dict) else None
+    if (found := cfg.get("format") if isinstance(cfg, dict) else None) != RUN_FORMAT:
         raise RunError(f"{path}: not a minimind run config (format={found!r}, expected {RUN_FORMAT!r})")
-    for key in ("model", "train", "tokenizer", "stage"):
-        if key not in cfg:
-            raise RunError(f"{path}: lacks key {key!r}")
+    if missing := [key for key in ("model", "train", "tokenizer", "stage") if key not in cfg]:
+        raise RunError(f"{path}: lacks key {missing[0]!r}")
     return cfg
 
 
@@ -219,8 +217,8 @@ def check_resume(out: Path, run_cfg: dict, cfg: Any, dinfo: Any) -> dict | None:
     the run stopped before its first checkpoint, so it starts again from step 0 with these same settings)."""
     saved = read_run_config(out)
     for key in RESUME_KEYS:
-        old = key.endswith("fingerprint") and (key not in saved or (saved[key] or {}).keys() - {"size", "sha1"})
-        if old:  # config.json of a run made before fingerprints, or before they hashed the whole file
+        # config.json of a run made before fingerprints, or before they hashed the whole file
+        if key.endswith("fingerprint") and (key not in saved or (saved[key] or {}).keys() - {"size", "sha1"}):
             raise RunError(f"cannot resume {out}: its {CONFIG_FILE} records no {key} of the whole file (written by an "
                            f"older version), so the data file cannot be checked against the run's position: start a "
                            f"new --out")
@@ -254,8 +252,7 @@ def check_resume(out: Path, run_cfg: dict, cfg: Any, dinfo: Any) -> dict | None:
 
 def load_run(run_dir: str | Path, device: torch.device | str | None = None):
     """(model, tokenizer, config) of a run directory; clear errors for a missing/corrupt checkpoint or vocab mismatch."""
-    run_dir = Path(run_dir)
-    cfg = read_run_config(run_dir)
+    cfg = read_run_config(run_dir := Path(run_dir))
     if not (run_dir / MODEL_FILE).is_file():
         raise FileNotFoundError(f"checkpoint not found: {run_dir / MODEL_FILE} (did the run in {run_dir} finish?)")
     tok, mcfg = load_tokenizer(run_dir / TOKENIZER_DIR), MiniMindConfig.from_dict(cfg["model"])

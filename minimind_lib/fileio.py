@@ -42,10 +42,8 @@ def atomic_open(path: str | os.PathLike, mode: str = "wb", encoding: str | None 
         if e is None:
             raise
         why = "the file-size limit (ulimit -f) was reached" if e.errno == errno.EFBIG else "no space left on the disk"
-        err = OSError(f"cannot write {path}: {why}; the partial file was removed"
-                      + (f", the previous {path.name} is unchanged" if path.exists() else ""))
-        err.errno = e.errno
-        raise err from None
+        raise OSError(f"cannot write {path}: {why}; the partial file was removed"
+                      + (f", the previous {path.name} is unchanged" if path.exists() else "")) from None
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:

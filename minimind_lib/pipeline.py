@@ -328,14 +328,10 @@ class Recorder:
         return "stop" if stop else None
 
 
-def rolled_back(df: pd.DataFrame) -> pd.Series:
-    """True for the metrics rows of steps a NaN rollback undid (their tokens are not counted)."""
-    return df["rolled_back"].fillna(False).astype(bool) if "rolled_back" in df else pd.Series(False, index=df.index)
-
-
 def applied(df: pd.DataFrame) -> pd.Series:
-    """True for the metrics rows of optimizer steps that updated the weights and that no rollback undid."""
-    return df.get("applied", pd.Series(False, index=df.index)).fillna(False).astype(bool) & ~rolled_back(df)
+    """True for the metrics rows of optimizer steps that updated the weights and that no NaN rollback undid."""
+    flag = lambda name: df[name].fillna(False).astype(bool) if name in df else pd.Series(False, index=df.index)
+    return flag("applied") & ~flag("rolled_back")
 
 
 def eval_before_training(model: Any, val: list, device: torch.device, amp_dtype: Any) -> pd.DataFrame:
