@@ -322,7 +322,7 @@ class Recorder:
         done = step + (0 if row.get("skipped") else 1)
         if "ckpt" in str(row.get("event", "")).split(";"):
             self.write_metrics()
-        if not row.get("skipped"):  # already taken when this step checkpointed
+        if not row.get("skipped"):  # a no-op when taken as this step checkpointed
             self.sample(done)
         stop = self.interrupted or (self.s.stop_after is not None and done >= self.s.stop_after)
         return "stop" if stop else None

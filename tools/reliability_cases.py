@@ -268,6 +268,7 @@ def kill_cases(c: Cases, pre_lines: list[str]) -> None:
           check=lambda: (f"previous last.pt unchanged: {digest(t / 'fsz/last.pt') == before}; temp files left: "
                          f"{len(list((t / 'fsz').glob('.minimind-tmp*')))}"))
     c.run("--resume again, no limit", ["pretrain", "--out", t / "fsz", *common, "--resume"], expect=0)
+    assert straight["code"] == 0
 
 
 def never_checkpointed(c: Cases) -> None:
@@ -283,7 +284,6 @@ def never_checkpointed(c: Cases) -> None:
     c.run("--resume of that run", ["pretrain", "--out", t / "early", *run, "--resume"], expect=0,
           check=lambda: (f"model.pth bit-identical to the uninterrupted run: "
                          f"{digest(t / 'early/model.pth') == digest(t / 'ref20/model.pth')}"))
-    assert straight["code"] == 0
 
 
 def same_steps(a: Path, b: Path) -> str:
