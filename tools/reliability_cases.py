@@ -59,7 +59,7 @@ class Cases:
         """Run one command (python: library code instead of the CLI) and record exit code and first error line;
         file_limit: the largest file it may write, in bytes (ulimit -f)."""
         if python is not None:
-            argv, shown = [sys.executable, "-c", python], f"python -c '{python}'"
+            argv, shown = [sys.executable, "-c", python], self.local(f"python -c '{python}'")
         else:
             train = args[0] in ("pretrain", "sft")
             args = [*args, *(TINY if tiny and train else []), *(self.cache if train and "--cache" not in args else [])]
