@@ -7,6 +7,8 @@ Each side runs in its own fresh (spawned) process so that their peak RSS do not 
   and N random reads;
 - getitem: a lazy PretrainDataset (texts in memory, tokenized on every access): one pass and N random reads.
 Throughputs are tokens served (after truncation to seq_len) per second, compared only as ratios of one run.
+Also the cost of `file_fingerprint`, the whole-content SHA-1 that the cache and `--resume` take of a data file, on a
+file of --hash-bytes (default 1 GB; written here, so it is read from the page cache): median and spread of 3 repeats.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 from minimind_lib.corpus import tokenize_to_memmap
 from minimind_lib.data import PretrainDataset
 from minimind_lib.device import get_device
+from minimind_lib.fileio import file_fingerprint
 from minimind_lib.paths import DATA_DIR
 from minimind_lib.profiles import get_profile
 from minimind_lib.tokenizer import load_tokenizer
@@ -95,6 +98,22 @@ def _child(side: str, args: dict, queue) -> None:
         queue.put((side, {"error": f"{type(e).__name__}: {e}"}))
 
 
+def _hash_cost(n_bytes: int, tmp: str, repeats: int = 3) -> dict:
+    """Seconds file_fingerprint takes on an n_bytes file of random bytes: median and spread of `repeats`."""
+    path, block = os.path.join(tmp, "hash.bin"), np.random.default_rng(0).bytes(1 << 22)
+    with open(path, "wb") as f:
+        for start in range(0, n_bytes, len(block)):
+            f.write(block[: n_bytes - start])
+    seconds = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        file_fingerprint(path)
+        seconds.append(time.perf_counter() - t0)
+    os.remove(path)
+    return {"fingerprint_bytes": n_bytes, "fingerprint_s_median": float(np.median(seconds)),
+            "fingerprint_s_spread": max(seconds) - min(seconds)}
+
+
 def _run_side(side: str, args: dict) -> dict:
     """One side in a fresh spawned interpreter: its peak RSS cannot include the other side's."""
     ctx = mp.get_context("spawn")  # a fresh interpreter: peak RSS of one side cannot include the other's
@@ -118,6 +137,7 @@ def main(argv: list[str]) -> dict:
     p.add_argument("--seq-len", type=int, default=None, help="default: the profile's seq_len")
     p.add_argument("--num-workers", type=int, default=None, help="tokenize_to_memmap workers (default: one per core)")
     p.add_argument("--random-reads", type=int, default=1000)
+    p.add_argument("--hash-bytes", type=int, default=10**9, help="size of the file file_fingerprint hashes (1 GB)")
     a = p.parse_args(argv)
     profile = get_profile(a.profile)
     with tempfile.TemporaryDirectory(prefix="minimind-bench-memmap-") as tmp:
@@ -128,6 +148,7 @@ def main(argv: list[str]) -> dict:
             raise FileNotFoundError(f"benchmark data not found: {args['data']} (pass --data)")
         mm = _run_side("memmap", args)
         gi = _run_side("getitem", args)
+        hashing = _hash_cost(a.hash_bytes, tmp)
     tps = lambda n, s: n / s if s > 0 else float("nan")  # noqa: E731
     mm_read, gi_read = tps(mm["tokens"], mm["read_s"]), tps(gi["tokens"], gi["read_s"])
     return {
@@ -144,5 +165,5 @@ def main(argv: list[str]) -> dict:
         "peak_rss_mb_memmap": mm["peak_rss_mb"], "peak_rss_mb_getitem": gi["peak_rss_mb"],
         "peak_rss_mb_memmap_workers": mm["children_peak_rss_mb"],
         "anon_growth_mb_memmap": mm["anon_growth_mb"], "anon_growth_mb_getitem": gi["anon_growth_mb"],
-        "device": get_device().type, "profile": profile.name,
+        **hashing, "device": get_device().type, "profile": profile.name,
     }

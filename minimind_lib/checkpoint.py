@@ -5,6 +5,7 @@ optimizer, GradScaler, step, data position `DataStream`, controller, RNGs), and 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -17,7 +18,7 @@ import torch
 from torch import nn
 
 from .corpus import tokenizer_fingerprint
-from .fileio import atomic_open, atomic_write_text
+from .fileio import TMP_PREFIX, atomic_open, atomic_write_text
 from .model import MiniMindConfig, MiniMindForCausalLM, check_state_dict, load_checkpoint, unreadable_checkpoint
 from .tokenizer import CONFIG_FILE as TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, check_vocab, load_tokenizer
 
@@ -179,12 +180,10 @@ def read_run_config(run_dir: str | Path) -> dict:
         cfg = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise RunError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(cfg, dict) or cfg.get("format") != RUN_FORMAT:
-        found = cfg.get("format") if isinstance(cfg, dict) else None
+    if (found := cfg.get("format") if isinstance(cfg, dict) else None) != RUN_FORMAT:
         raise RunError(f"{path}: not a minimind run config (format={found!r}, expected {RUN_FORMAT!r})")
-    for key in ("model", "train", "tokenizer", "stage"):
-        if key not in cfg:
-            raise RunError(f"{path}: lacks key {key!r}")
+    if missing := [key for key in ("model", "train", "tokenizer", "stage") if key not in cfg]:
+        raise RunError(f"{path}: lacks key {missing[0]!r}")
     return cfg
 
 
@@ -196,24 +195,33 @@ def check_out_dir(out: Path, resume: bool, overwrite: bool) -> None:
                              or {p.name for p in tok_dir.iterdir()} - ours):
         raise RunError(f"{tok_dir} exists and is not a tokenizer this program wrote (only {sorted(ours)} in a run "
                        f"directory); a run would replace it: move it away or choose another --out")
-    if resume:
-        for name, what in ((STATE_FILE, "no training state"), (CONFIG_FILE, "no run config")):
-            if not (out / name).is_file():
-                raise FileNotFoundError(f"--resume: {what} {out / name} to resume from; {out} is not a run to resume")
+    if resume:  # a run stopped before its first checkpoint has config.json only: it starts again from step 0
+        if not (out / CONFIG_FILE).is_file():
+            raise FileNotFoundError(f"--resume: no run config {out / CONFIG_FILE} to resume from; {out} is not a run "
+                                    f"to resume")
         return
     existing = [name for name in RUN_FILES if (out / name).exists()]
+    if existing and overwrite:
+        try:
+            read_run_config(out)
+        except (FileNotFoundError, RunError) as e:
+            raise RunError(f"--overwrite replaces a run of this program only, and {out} is none ({e}); nothing was "
+                           f"removed: move {', '.join(existing)} away or choose another --out") from None
     if existing and not overwrite:
         raise RunError(f"{out} already holds a run ({', '.join(existing)}); pass --resume to continue it, "
                        f"--overwrite to replace it, or choose another --out")
 
 
-def check_resume(out: Path, run_cfg: dict, cfg: Any, dinfo: Any) -> dict:
-    """Compare the new run's settings with the saved run before anything is written; returns the saved state."""
+def check_resume(out: Path, run_cfg: dict, cfg: Any, dinfo: Any) -> dict | None:
+    """Compare the new run's settings with the saved run before anything is written; returns the saved state (None:
+    the run stopped before its first checkpoint, so it starts again from step 0 with these same settings)."""
     saved = read_run_config(out)
     for key in RESUME_KEYS:
-        if key.endswith("fingerprint") and key not in saved:  # config.json of a run made before fingerprints
-            raise RunError(f"cannot resume {out}: its {CONFIG_FILE} records no {key} (written by an older version), "
-                           f"so the data file cannot be checked against the run's position: start a new --out")
+        # config.json of a run made before fingerprints, or before they hashed the whole file
+        if key.endswith("fingerprint") and (key not in saved or (saved[key] or {}).keys() - {"size", "sha1"}):
+            raise RunError(f"cannot resume {out}: its {CONFIG_FILE} records no {key} of the whole file (written by an "
+                           f"older version), so the data file cannot be checked against the run's position: start a "
+                           f"new --out")
         if key.endswith("fingerprint") and saved.get(key) != run_cfg.get(key):
             raise RunError(f"cannot resume {out}: the file {run_cfg.get(key[:-12])} changed since the run started "
                            f"(size and content: {saved.get(key)} then, {run_cfg.get(key)} now); its saved position "
@@ -224,14 +232,16 @@ def check_resume(out: Path, run_cfg: dict, cfg: Any, dinfo: Any) -> dict:
     if saved["tokenizer"].get("fingerprint") != run_cfg["tokenizer"]["fingerprint"]:
         raise RunError(f"cannot resume {out}: the tokenizer differs from the run's ({saved['tokenizer']} vs "
                        f"{run_cfg['tokenizer']})")
-    state = read_training_state(out / STATE_FILE)  # clear error for a missing or corrupt last.pt
-    if int(state["step"]) >= cfg.max_steps and (out / SUMMARY_FILE).is_file():
+    state = read_training_state(out / STATE_FILE) if (out / STATE_FILE).is_file() else None  # None: no checkpoint yet
+    if state is not None and int(state["step"]) >= cfg.max_steps and (out / SUMMARY_FILE).is_file():
         raise RunError(f"{out} is a finished run ({state['step']} of {cfg.max_steps} steps): nothing to resume, "
                        f"nothing changed; train longer in a new --out (e.g. sft --init {out})")
     try:
-        check_config(state["config"], cfg, out / STATE_FILE)
+        check_config(state["config"] if state else saved["train"], cfg, out / (STATE_FILE if state else CONFIG_FILE))
     except ValueError as e:
         raise RunError(str(e) + "; use the run's settings (see its config.json) or start a new --out") from None
+    if state is None:
+        return None
     saved_ddp = "world_size" in (state.get("controller") or {})  # a DDP state counts global steps
     if saved_ddp != (dinfo is not None):
         raise RunError(f"cannot resume {out}: it was trained {'with' if saved_ddp else 'without'} torchrun (data "
@@ -242,8 +252,7 @@ def check_resume(out: Path, run_cfg: dict, cfg: Any, dinfo: Any) -> dict:
 
 def load_run(run_dir: str | Path, device: torch.device | str | None = None):
     """(model, tokenizer, config) of a run directory; clear errors for a missing/corrupt checkpoint or vocab mismatch."""
-    run_dir = Path(run_dir)
-    cfg = read_run_config(run_dir)
+    cfg = read_run_config(run_dir := Path(run_dir))
     if not (run_dir / MODEL_FILE).is_file():
         raise FileNotFoundError(f"checkpoint not found: {run_dir / MODEL_FILE} (did the run in {run_dir} finish?)")
     tok, mcfg = load_tokenizer(run_dir / TOKENIZER_DIR), MiniMindConfig.from_dict(cfg["model"])
@@ -261,13 +270,17 @@ def load_run(run_dir: str | Path, device: torch.device | str | None = None):
 
 
 def start_run_dir(out: Path, run_cfg: dict, tok: Any, resume: bool) -> None:
-    """Write config.json and tokenizer/ (a fresh run first removes a replaced run's files)."""
+    """Write config.json and tokenizer/ (a fresh run first removes a replaced run's files, any run its stale temps)."""
     out.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(FileNotFoundError, RunError):  # a run directory of this program: TMP_PREFIX files are
+        read_run_config(out)  # what an interrupted write of ours left there
+        for stale in out.glob(TMP_PREFIX + "*"):
+            shutil.rmtree(stale) if stale.is_dir() else stale.unlink()
     if not resume:  # --overwrite: a stale last.pt or metrics.csv must not survive into the new run
         for name in RUN_FILES:
             (out / name).unlink(missing_ok=True)
     atomic_write_text(out / CONFIG_FILE, json.dumps(run_cfg, indent=2, ensure_ascii=False, default=str) + "\n")
-    tmp = out / f".{TOKENIZER_DIR}.tmp-{os.getpid()}"
+    tmp = out / f"{TMP_PREFIX}{TOKENIZER_DIR}.{os.getpid()}"
     tok.save(tmp)
     if (out / TOKENIZER_DIR).exists():
         shutil.rmtree(out / TOKENIZER_DIR)

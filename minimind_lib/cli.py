@@ -15,6 +15,8 @@ import math
 import os
 import sys
 
+import torch
+
 from .checkpoint import load_run
 from .device import device_report
 from .export import DTYPES, export_run, import_hf
@@ -39,6 +41,14 @@ def number(kind: type, low: float, low_ok: bool = True):
 POSITIVE, NON_NEGATIVE = number(int, 1), number(int, 0)
 
 
+def device(text: str) -> str:
+    """An argparse type: a device torch can parse, else the forms it takes."""
+    try:
+        return str(torch.device(text))
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device: use cpu, cuda, cuda:N (N: a GPU's index) or mps")
+
+
 def _add_train_args(p: argparse.ArgumentParser, stage: str) -> None:
     p.add_argument("--data", default=None, help=f"jsonl file (default: data/{'pretrain' if stage == 'pretrain' else 'sft'}.jsonl); "
                    "MiniMind's own files work unchanged")
@@ -60,7 +70,7 @@ def _add_train_args(p: argparse.ArgumentParser, stage: str) -> None:
     p.add_argument("--eval-every", type=POSITIVE, help="optimizer steps between validations (default: the profile's)")
     p.add_argument("--cache", default=None, help="memmap cache directory (default: next to --out)")
     p.add_argument("--max-samples", type=NON_NEGATIVE, help="read at most N samples (0: all; default: the profile's)")
-    p.add_argument("--device", default=None, help="cuda, mps or cpu (default: the best available)")
+    p.add_argument("--device", type=device, default=None, help="cuda, cuda:N, mps or cpu (default: the best available)")
     p.add_argument("--resume", action="store_true", help="continue --out from its last.pt (same settings required)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing run in --out")
     p.add_argument("--on-error", choices=("raise", "skip"), default="raise",
@@ -154,7 +164,7 @@ def add_subcommands(subparsers) -> None:
     c.add_argument("--top-p", type=number(float, 0.0, low_ok=False), default=0.9)
     c.add_argument("--max-new-tokens", type=POSITIVE, default=128)
     c.add_argument("--seed", type=int, default=None, help="fix the sampling: same seed, same answer")
-    c.add_argument("--device", default=None)
+    c.add_argument("--device", type=device, default=None, help="cuda, cuda:N, mps or cpu (default: cpu)")
     c.set_defaults(func=cmd_chat)
     e = subparsers.add_parser("export", help="write a run as a transformers model (Llama, Qwen3 or Qwen3-MoE)")
     e.add_argument("run_dir", help="a finished run directory (config.json, model.pth, tokenizer/)")

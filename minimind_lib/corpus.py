@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from tqdm import tqdm  # a text bar: an executed notebook keeps its final state, not a widget's first
 
-from .fileio import atomic_open, atomic_write_text
+from .fileio import atomic_open, atomic_write_text, file_fingerprint
 from .tokenizer import ROLES, check_text, check_turn_extras
 
 KINDS = ("pretrain", "sft")
@@ -334,9 +334,8 @@ def tokenizer_fingerprint(tokenizer) -> str:
 def _cache_key(jsonl_path: str | os.PathLike, tokenizer, kind: str, max_samples: int | None, on_error: str,
                augment_seed: int | None = None) -> dict:
     """What a cache was built from; a cache whose key differs from the current one is stale and rebuilt."""
-    st = Path(jsonl_path).stat()
-    return {"format": "minimind-memmap", "version": MEMMAP_FORMAT_VERSION, "kind": kind,
-            "source": {"path": str(Path(jsonl_path).resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns},
+    return {"format": "minimind-memmap", "version": MEMMAP_FORMAT_VERSION, "kind": kind,  # the resume check's hash:
+            "source": {"path": str(Path(jsonl_path).resolve()), **file_fingerprint(jsonl_path)},  # they agree
             "tokenizer": {"fingerprint": tokenizer_fingerprint(tokenizer), "vocab_size": int(tokenizer.vocab_size)},
             "max_samples": max_samples, "on_error": on_error, "augment_seed": augment_seed}
 
@@ -372,7 +371,8 @@ def tokenize_to_memmap(jsonl_path: str | os.PathLike, tokenizer, out_prefix: str
                        on_error: str = "raise", max_samples: int | None = None, force: bool = False,
                        progress: bool = True, augment_seed: int | None = None) -> MemmapInfo:
     """Tokenize a jsonl file once, in `num_workers` processes (0: here), into `<prefix>.bin` (uint16 ids), `.idx.npy`
-    (offsets), `.mask.bin` (SFT) and `.json` (last: a finished cache); augment_seed (SFT): drawn once per sample."""
+    (offsets), `.mask.bin` (SFT) and `.json` (last: a finished cache); reused while the source (size, SHA-1), the
+    tokenizer and the settings are unchanged; augment_seed (SFT): drawn once per sample."""
     reader = JsonlReader(jsonl_path, on_error=on_error, kind=kind, max_samples=max_samples)
     if augment_seed is not None and kind != "sft":
         raise ValueError(f"augment_seed is MiniMind-3's SFT augmentation; a {kind} file has no conversations")

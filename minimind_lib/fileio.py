@@ -4,9 +4,9 @@ and the lock that keeps a second run of notebook 07_pretrain's pipeline out of a
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import os
-import shutil
 import tempfile
 from pathlib import Path
 from typing import IO, Iterator
@@ -16,7 +16,9 @@ try:
 except ImportError:  # Windows: no advisory locks; a second run into the same directory is not detected there
     fcntl = None
 
-LOCK_FILE = ".lock"
+# Every file this program leaves beside a user's starts with PREFIX: never mistaken for theirs, nor removed as ours.
+PREFIX = ".minimind-"
+LOCK_FILE, TMP_PREFIX = PREFIX + "lock", PREFIX + "tmp."
 
 
 @contextlib.contextmanager
@@ -25,7 +27,7 @@ def atomic_open(path: str | os.PathLike, mode: str = "wb", encoding: str | None 
     if mode not in ("w", "wb"):
         raise ValueError(f"atomic_open writes whole files: mode must be 'w' or 'wb', got {mode!r}")
     (path := Path(path)).parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f"{TMP_PREFIX}{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, mode, encoding=encoding if mode == "w" else None) as f:
             yield f
@@ -33,9 +35,15 @@ def atomic_open(path: str | os.PathLike, mode: str = "wb", encoding: str | None 
             os.fsync(f.fileno())
         os.chmod(tmp, 0o644)  # mkstemp makes 0600; the files we write are meant to be read by others
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         Path(tmp).unlink(missing_ok=True)
-        raise
+        while e is not None and getattr(e, "errno", None) not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            e = e.__cause__ or e.__context__  # torch.save reports a failed write as "unexpected pos ..."
+        if e is None:
+            raise
+        why = "the file-size limit (ulimit -f) was reached" if e.errno == errno.EFBIG else "no space left on the disk"
+        raise OSError(f"cannot write {path}: {why}; the partial file was removed"
+                      + (f", the previous {path.name} is unchanged" if path.exists() else "")) from None
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
@@ -44,18 +52,14 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
         f.write(text)
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """Write `data` to `path` atomically."""
-    with atomic_open(path, "wb") as f:
-        f.write(data)
-
-
 @contextlib.contextmanager
 def exclusive_dir(directory: str | os.PathLike) -> Iterator[Path]:
     """Hold an exclusive lock on a directory for the block (another holder: FileExistsError naming its pid, kept in
-    DIR/.lock meanwhile); first remove the temp files an interrupted atomic write left there. A directory created
-    here and left empty is removed at the end."""
-    if (directory := Path(directory)).exists() and not directory.is_dir():
+    DIR/.minimind-lock meanwhile). A directory created here and left empty is removed at the end."""
+    if (directory := Path(directory)).is_symlink() and not directory.exists():
+        raise FileExistsError(f"{directory} is a symbolic link to {os.readlink(directory)}, which does not exist: "
+                              f"create its target or choose another directory")
+    if directory.exists() and not directory.is_dir():
         raise FileExistsError(f"{directory} is a file, not a directory")
     created, pid_file = not directory.exists(), directory / LOCK_FILE
     directory.mkdir(parents=True, exist_ok=True)
@@ -70,11 +74,6 @@ def exclusive_dir(directory: str | os.PathLike) -> Iterator[Path]:
                               f"it to end or choose another directory") from None
     try:
         pid_file.write_text(str(os.getpid()))
-        for stale in directory.glob(".*.tmp*"):  # atomic_open's .NAME.XXXX.tmp, start_run_dir's .tokenizer.tmp-PID
-            if stale.is_dir():
-                shutil.rmtree(stale)
-            else:
-                stale.unlink()
         yield directory
     finally:
         pid_file.unlink(missing_ok=True)
@@ -83,11 +82,11 @@ def exclusive_dir(directory: str | os.PathLike) -> Iterator[Path]:
         os.close(fd)
 
 
-def file_fingerprint(path: str | os.PathLike, span: int = 2**20) -> dict:
-    """Size and a SHA-1 of the first and last `span` bytes: enough to tell that a data file was edited."""
-    size, digest = os.path.getsize(path), hashlib.sha1()
+def file_fingerprint(path: str | os.PathLike) -> dict:
+    """Size and SHA-1 of the whole content, streamed (benchmarks/memmap.py measures it on 1 GB): the tokenizer cache
+    and the resume check both use it, so they cannot disagree about whether a data file changed."""
+    digest = hashlib.sha1()
     with open(path, "rb") as f:
-        digest.update(f.read(span))
-        f.seek(max(size - span, 0))
-        digest.update(f.read(span))
-    return {"size": size, "sha1_head_tail": digest.hexdigest()}
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+        return {"size": f.tell(), "sha1": digest.hexdigest()}

@@ -64,7 +64,7 @@ def generate_ids(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int 
             raise ValueError(f"the prompt has {input_ids.shape[1]} tokens: no room to generate within the model's "
                              f"max_position_embeddings={max_pos}")
         warnings.warn(f"generating {max_pos - input_ids.shape[1]} of the {max_new_tokens} new tokens asked for: the "
-                      f"prompt's {input_ids.shape[1]} tokens leave no more room in {max_pos} positions", stacklevel=2)
+                      f"prompt's {input_ids.shape[1]} tokens leave no more room in {max_pos} positions", stacklevel=3)
         max_new_tokens = max_pos - input_ids.shape[1]
     stops = set(stop_token_ids or ())
     generator = None if seed is None else torch.Generator(device=device).manual_seed(seed)

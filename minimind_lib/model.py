@@ -52,6 +52,10 @@ class MiniMindConfig:
                 raise ValueError(f"MiniMindConfig.{name}={getattr(self, name)!r}: must be a positive integer")
         if self.intermediate_size is None:
             self.intermediate_size = 64 * math.ceil(int(self.hidden_size * 8 / 3) / 64)
+        if not isinstance(self.intermediate_size, int) or self.intermediate_size <= 0:
+            raise ValueError(f"MiniMindConfig.intermediate_size={self.intermediate_size!r}: must be a positive integer")
+        if not isinstance(self.rope_theta, (int, float)) or not math.isfinite(self.rope_theta) or self.rope_theta <= 0:
+            raise ValueError(f"MiniMindConfig.rope_theta={self.rope_theta!r}: must be a finite number > 0")
         if self.moe_intermediate_size is None:
             self.moe_intermediate_size = self.intermediate_size
         if not isinstance(self.num_experts_per_tok, int) or not 1 <= self.num_experts_per_tok <= self.num_experts:
@@ -307,6 +311,9 @@ class MiniMindModel(nn.Module):
 
     def forward(self, input_ids, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False):
         """input_ids (B, T) -> hidden states (B, T, C) and the new KV cache (list of (k, v) per layer, or None)."""
+        if input_ids.dim() != 2 or input_ids.dtype not in (torch.long, torch.int):
+            raise ValueError(f"input_ids must be a (batch, seq_len) tensor of token ids, torch.long or torch.int; got "
+                             f"shape {tuple(input_ids.shape)} of {input_ids.dtype} (one sequence: input_ids[None])")
         b, t = input_ids.shape
         past_len = past_key_values[0][0].shape[1] if past_key_values else 0
         if position_ids is None:
@@ -383,6 +390,10 @@ class MiniMindForCausalLM(nn.Module):
         if logits_to_keep:  # generation only needs the last position(s)
             h = h[:, -logits_to_keep:]
         logits = self.lm_head(h)
+        cpu_labels = type(labels) is torch.Tensor and labels.device.type == "cpu" and labels.dim() == 2  # GPU: no stall
+        if cpu_labels and not bool((labels[:, 1:] != IGNORE_INDEX).any()):  # a mean over no tokens is 0/0
+            raise ValueError("the loss is undefined: every label after the first position is -100 (ignored), so no "
+                             "token is predicted and the mean over none is NaN; lm_loss(..., reduction='sum') gives 0")
         loss = lm_loss(logits, labels) if labels is not None else None
         aux = [layer.mlp.aux_loss for layer in self.model.layers if getattr(layer.mlp, "aux_loss", None) is not None]
         return CausalLMOutput(logits=logits, loss=loss, past_key_values=presents, aux_loss=sum(aux) if aux else None)

@@ -163,8 +163,8 @@ def train_config(s: RunSettings) -> TrainConfig:
 # ----------------------------------------------------------------------------------- checks before writing
 def _inputs(s: RunSettings, prof: Profile, device: torch.device) -> tuple[Any, MiniMindConfig, str | None, dict | None]:
     """(tokenizer, model config, preset, SFT's initial weights): every input checked before anything is written."""
-    if s.out is None:
-        raise RunError("an output directory is needed (--out DIR)")
+    if s.out is None or not str(s.out).strip():  # Path("") is ".": a whole run would land in the current directory
+        raise RunError(f"an output directory is needed (--out DIR), got {s.out!r}")
     if device.type in ("cuda", "mps") and not getattr(torch, device.type).is_available():
         raise RunError(f"device {device} is not available on this machine (torch {torch.__version__}); pass "
                        f"--device cpu or leave --device out to use the best one present")
@@ -237,6 +237,8 @@ def _datasets(s: RunSettings, tok: Any, dinfo: Any, log: Callable[[str], None]) 
     """1. (training set, validation batches, SFT's held-out count); under DDP rank 0 fills the cache first."""
     main = dinfo is None or dinfo.is_main
     cache = Path(s.cache_dir) if s.cache_dir is not None else Path(s.out).parent / "cache"
+    if file := next((p for p in (cache, *cache.parents) if p.exists() and not p.is_dir()), None):
+        raise RunError(f"cache directory {cache}: {file} is a file, not a directory (pass --cache DIR)")
     if not main:  # data parallel: rank 0 tokenizes into the cache, the other ranks then open it
         D.barrier()
     progress = s.progress and main
@@ -259,28 +261,25 @@ def _datasets(s: RunSettings, tok: Any, dinfo: Any, log: Callable[[str], None]) 
 
 # ----------------------------------------------------------------------------------- 4. the loop  5. the run directory
 class Recorder:
-    """fit's callback: keeps the metrics rows (and puts them into every checkpoint, so --resume restores exactly the
-    rows of its step), rewrites metrics.csv with every checkpoint, marks the rows a NaN rollback undid, generates
-    samples every `sample_every` steps, stops after `stop_after` steps or on SIGINT/SIGTERM (fit then saves)."""
+    """fit's callback: keeps the metrics rows and samples (and puts them into every checkpoint, so --resume restores
+    exactly those of its step), rewrites metrics.csv and samples.jsonl after every checkpoint, marks the rows a NaN
+    rollback undid, generates samples every `sample_every` steps (before that step's checkpoint), stops after
+    `stop_after` steps or on SIGINT/SIGTERM (fit then saves)."""
 
     def __init__(self, out: Path, s: RunSettings, saved_state: dict | None, model: Any, tok: Any, write: bool) -> None:
         self.out, self.s, self.model, self.tok, self.write, self.rows = out, s, model, tok, write, []
         self.prior, self.samples, self.interrupted = pd.DataFrame(), [], None
         if saved_state is not None:  # the rows and samples of the steps the checkpoint holds
-            start_step, saved_csv = int(saved_state["step"]), saved_state.get("extra", {}).get("metrics_csv")
-            if saved_csv or (out / METRICS_FILE).is_file():
-                self.prior = pd.read_csv(io.StringIO(saved_csv) if saved_csv else out / METRICS_FILE)
-                self.prior = self.prior.query(f"step < {start_step}")
-            if (out / SAMPLES_FILE).is_file():
-                lines = (out / SAMPLES_FILE).read_text(encoding="utf-8").splitlines()
-                self.samples = [r for r in map(json.loads, filter(str.strip, lines)) if r["step"] <= start_step]
+            extra = saved_state.get("extra", {})
+            self.prior = pd.read_csv(io.StringIO(extra["metrics_csv"])).query(f"step < {saved_state['step']}")
+            self.samples = list(extra.get("samples", []))
 
     def frame(self, rows: list[dict] | None = None) -> pd.DataFrame:
         """The whole run's metrics: earlier invocations' rows, then this one's, with tokens_seen (rolled back: 0)."""
         rows = self.rows if rows is None else rows
         df = pd.concat([self.prior, pd.DataFrame(rows)], ignore_index=True) if rows else self.prior.copy()
         if len(df):
-            df["tokens_seen"] = df["tokens"].where(~rolled_back(df), 0).cumsum()
+            df["tokens_seen"] = df["tokens"].where(applied(df), 0).cumsum()
         return df
 
     def checkpoint_extra(self, row: dict | None) -> dict:
@@ -290,24 +289,28 @@ class Recorder:
             rows.append({k: v for k, v in row.items() if k != "events"} | {"event": ";".join(row["events"] + ["ckpt"])})
         elif rows:  # fit's final save: it tags the last row after this call
             rows[-1]["event"] = ";".join(e for e in (rows[-1].get("event", ""), "ckpt") if e)
-        return {"metrics_csv": self.frame(rows).to_csv(index=False)}
+        if row is not None and not row.get("skipped"):  # this step's samples go into last.pt with it
+            self.sample(row["step"] + 1)
+        return {"metrics_csv": self.frame(rows).to_csv(index=False), "samples": list(self.samples)}
 
     def write_metrics(self) -> None:
-        """metrics.csv, atomically (it always matches the last checkpoint)."""
+        """metrics.csv and samples.jsonl, atomically, after each checkpoint: they always hold what last.pt holds."""
         if self.write:
             atomic_write_text(self.out / METRICS_FILE, self.frame().to_csv(index=False))
+        if self.write and self.samples:
+            atomic_write_text(self.out / SAMPLES_FILE, "".join(json.dumps(r, ensure_ascii=False) + "\n"
+                                                               for r in self.samples))
 
     def sample(self, done: int) -> None:
-        """Greedy continuations (SFT: answers) of the fixed prompts, appended to samples.jsonl."""
-        for p in self.s.sample_prompts:
-            if self.s.stage == "sft":
-                text = chat_reply(self.model, self.tok, [{"role": "user", "content": p}], temperature=0.0,
-                                  max_new_tokens=24)
-            else:
-                text = generate(self.model, self.tok, p, max_new_tokens=24, temperature=0.0)
-            self.samples.append({"step": done, "prompt": p, "text": text})
-        lines = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in self.samples)
-        atomic_write_text(self.out / SAMPLES_FILE, lines)
+        """Every `sample_every` steps (once), greedy continuations (SFT: answers) of the fixed prompts."""
+        s = self.s
+        if (self.write and s.sample_prompts and s.sample_every and done % s.sample_every == 0
+                and not (self.samples and self.samples[-1]["step"] == done)):
+            for p in s.sample_prompts:
+                text = (chat_reply(self.model, self.tok, [{"role": "user", "content": p}], temperature=0.0,
+                                   max_new_tokens=24) if s.stage == "sft"
+                        else generate(self.model, self.tok, p, max_new_tokens=24, temperature=0.0))
+                self.samples.append({"step": done, "prompt": p, "text": text})
 
     def __call__(self, step: int, row: dict) -> str | None:
         for event in str(row.get("event", "")).split(";"):
@@ -319,16 +322,16 @@ class Recorder:
         done = step + (0 if row.get("skipped") else 1)
         if "ckpt" in str(row.get("event", "")).split(";"):
             self.write_metrics()
-        if (self.write and self.s.sample_prompts and self.s.sample_every and not row.get("skipped")
-                and done % self.s.sample_every == 0):
+        if not row.get("skipped"):  # a no-op when taken as this step checkpointed
             self.sample(done)
         stop = self.interrupted or (self.s.stop_after is not None and done >= self.s.stop_after)
         return "stop" if stop else None
 
 
-def rolled_back(df: pd.DataFrame) -> pd.Series:
-    """True for the metrics rows of steps a NaN rollback undid (their tokens are not counted)."""
-    return df["rolled_back"].fillna(False).astype(bool) if "rolled_back" in df else pd.Series(False, index=df.index)
+def applied(df: pd.DataFrame) -> pd.Series:
+    """True for the metrics rows of optimizer steps that updated the weights and that no NaN rollback undid."""
+    flag = lambda name: df[name].fillna(False).astype(bool) if name in df else pd.Series(False, index=df.index)
+    return flag("applied") & ~flag("rolled_back")
 
 
 def eval_before_training(model: Any, val: list, device: torch.device, amp_dtype: Any) -> pd.DataFrame:
@@ -343,8 +346,10 @@ def summarize(df: pd.DataFrame, wall: float) -> dict:
     val = df["val_loss"].dropna() if "val_loss" in df else pd.Series(dtype=float)
     peak = df["peak_memory_bytes"].max() if "peak_memory_bytes" in df else float("nan")
     train_time = float(df["step_time"].sum()) if "step_time" in df else 0.0
-    tokens, last = int(df["tokens"][~rolled_back(df)].sum()) if len(df) else 0, val.iloc[-1] if len(val) else None
-    return {"steps": int(df["step"].max()) + 1 if len(df) else 0, "tokens": tokens, "wall_time_s": round(wall, 2),
+    done = applied(df) if len(df) else pd.Series(dtype=bool)
+    tokens, last = int(df["tokens"][done].sum()) if len(df) else 0, val.iloc[-1] if len(val) else None
+    skipped = [int(x) for x in df["step"][~done & (df["step"] >= 0)]] if len(df) else []
+    return {"steps": int(done.sum()), "skipped_steps": skipped, "tokens": tokens, "wall_time_s": round(wall, 2),
             "train_time_s": round(train_time, 2),
             "tokens_per_s": round(tokens / train_time, 1) if train_time > 0 else float("nan"),
             "tokens_per_s_wall": round(tokens / wall, 1) if wall > 0 else float("nan"),
@@ -363,7 +368,7 @@ def _finish(rec: Recorder, df: pd.DataFrame, run_cfg: dict, wall: float, start_s
     if rec.write:
         save_checkpoint(rec.model, rec.out / MODEL_FILE)  # a bare state dict
         rec.write_metrics()
-    prior_tokens = int(rec.prior["tokens"][~rolled_back(rec.prior)].sum()) if len(rec.prior) else 0
+    prior_tokens = int(rec.prior["tokens"][applied(rec.prior)].sum()) if len(rec.prior) else 0
     summary = {"stage": rec.s.stage, "profile": run_cfg["profile"], "device": run_cfg["device"],
                "model_preset": run_cfg["model_preset"], **summarize(full, wall), "prior_tokens": prior_tokens,
                "resumed_from_step": start_step if rec.s.resume else None,
@@ -407,19 +412,20 @@ def _run(s: RunSettings, dinfo: Any = None) -> RunResult:
         model = MiniMindForCausalLM(mcfg)
         if init_state is not None:
             model.load_state_dict(init_state)
-        if main:
-            start_run_dir(out, run_cfg, tok, s.resume)
+        if main:  # a resumed run that never checkpointed starts afresh (same settings, checked above)
+            start_run_dir(out, run_cfg, tok, saved_state is not None)
         start_step = int(saved_state["step"]) if saved_state is not None else 0
         rec = Recorder(out, s, saved_state, model, tok, write=main)
         log(f"{s.stage}: {s.steps} steps x {s.accum_steps} micro-batches of <= {s.max_tokens} tokens (seq_len "
             f"{s.seq_len}), lr {s.lr:g}, {amp.reason}, device {device}"
             + (f", {dinfo.world_size} ranks ({dinfo.backend})" if dinfo is not None else "")
-            + (f"; resuming {out} at step {start_step} of {s.steps}" if s.resume else ""))
+            + ((f"; resuming {out} at step {start_step} of {s.steps}" if saved_state else f"; {out} holds no "
+                "checkpoint yet: starting it again from step 0 with its recorded settings") if s.resume else ""))
         t0 = time.perf_counter()
-        if not s.resume and val and main:
+        if saved_state is None and val and main:
             rec.prior = eval_before_training(model, val, device, amp.dtype)
             log(f"{s.stage}: validation loss before training {rec.prior['val_loss'].iloc[0]:.3f}")
-        resume_from = out / STATE_FILE if s.resume else None
+        resume_from = out / STATE_FILE if saved_state is not None else None
         if dinfo is not None:  # 4. the loop
             df = D.fit_distributed(model, steps, cfg, info=dinfo, val_batches=val, pad_id=tok.pad_token_id,
                                    callbacks=[rec], resume_from=resume_from)
@@ -429,7 +435,7 @@ def _run(s: RunSettings, dinfo: Any = None) -> RunResult:
                          resume_from=resume_from)
         metrics, summary = _finish(rec, df, run_cfg, time.perf_counter() - t0, start_step, controller, dinfo)
         if rec.interrupted:
-            raise RunError(f"stopped by {rec.interrupted} after step {summary['steps']} of {s.steps}: "
+            raise RunError(f"stopped by {rec.interrupted} after step {int(metrics['step'].max()) + 1} of {s.steps}: "
                            f"{out / STATE_FILE} holds it; continue with --resume")
         return RunResult(out, model.eval(), tok, metrics, run_cfg, summary, rec.samples)
 

@@ -149,11 +149,12 @@ def accumulate_step(model: nn.Module, micro_batches: Sequence[dict], *, amp_dtyp
                     scaler: torch.amp.GradScaler | None = None, device: torch.device | str | None = None,
                     n_tokens_total: int | None = None, normalization: str = "token") -> dict:
     """Forward+backward over the micro-batches of one optimizer step; gradients add up in .grad (no update).
-    Returns loss_sum, n_tokens, loss (their ratio), micro_batches, rows, padded_tokens and, for a MoE model, aux_loss:
-    trained, not in `loss`. MiniMind-3 adds each micro-batch's aux to its mean loss, then divides by k ("naive"); here
-    micro-batch i's aux weighs n_i / N, its share of the step's trained tokens, as each of its tokens' loss does: the
-    aux keeps its ratio to the loss however a step is split (halved after an OOM, short SFT rows, ranks), needs no
-    other count, and the step's aux is the token-weighted mean of its micro-batches' (MiniMind-3's for equal n_i)."""
+    Returns loss_sum, n_tokens, loss (their ratio), micro_batches, rows, padded_tokens, empty_micro_batches (labels
+    all -100: not run; under DDP run, adding 0, as the gradient sync needs every rank's backward) and, for a MoE model,
+    aux_loss: trained, not in `loss`. MiniMind-3 adds each micro-batch's aux to its mean loss, then divides by k
+    ("naive"); here micro-batch i's aux weighs n_i / N, its share of the step's trained tokens, as each of its tokens'
+    loss does: the aux keeps its ratio to the loss however a step is split (halved after an OOM, short SFT rows,
+    ranks), and the step's aux is the token-weighted mean of its micro-batches' (MiniMind-3's for equal n_i)."""
     if normalization not in NORMALIZATIONS:
         raise ValueError(f"normalization={normalization!r}; choose one of {NORMALIZATIONS}")
     if not micro_batches:
@@ -161,10 +162,15 @@ def accumulate_step(model: nn.Module, micro_batches: Sequence[dict], *, amp_dtyp
     device = torch.device(device) if device is not None else next(model.parameters()).device
     world, k = world_size(), len(micro_batches)
     n_tokens_total = step_token_count(micro_batches, device) if n_tokens_total is None else n_tokens_total
-    if n_tokens_total <= 0:
-        raise ValueError("accumulate_step: the step has no trained tokens (every shifted label is -100)")
+    stats = {"micro_batches": k, "rows": sum(len(mb["input_ids"]) for mb in micro_batches),
+             "padded_tokens": sum(mb["input_ids"].numel() for mb in micro_batches), "empty_micro_batches": 0}
+    if n_tokens_total <= 0:  # every label -100: the loss is undefined, nothing to learn; the caller skips the step
+        return {**stats, "loss_sum": 0.0, "n_tokens": 0, "loss": math.nan, "empty_micro_batches": k}
     sums, has_aux = torch.zeros(2, device=device, dtype=torch.float32), False  # loss_sum, weighted aux
     for i, mb in enumerate(micro_batches):
+        if world == 1 and trained_tokens(mb["labels"]) == 0:
+            stats["empty_micro_batches"] += 1
+            continue
         mb = _to_device(mb, device)
         last = world == 1 or i == k - 1 or not hasattr(model, "no_sync")  # DDP: all-reduce grads once, at the last
         with contextlib.nullcontext() if last else model.no_sync():
@@ -181,9 +187,7 @@ def accumulate_step(model: nn.Module, micro_batches: Sequence[dict], *, amp_dtyp
             (scaler.scale(loss) if scaler is not None else loss).backward()
         sums[0] += token_loss_sum.detach().float()
     loss_sum, aux_loss = (all_reduce_sum(sums.tolist(), device, torch.float64) if world > 1 else sums).tolist()
-    return {"loss_sum": loss_sum, "n_tokens": int(n_tokens_total), "loss": loss_sum / n_tokens_total,
-            "micro_batches": k, "rows": sum(len(mb["input_ids"]) for mb in micro_batches),
-            "padded_tokens": sum(mb["input_ids"].numel() for mb in micro_batches),
+    return {**stats, "loss_sum": loss_sum, "n_tokens": int(n_tokens_total), "loss": loss_sum / n_tokens_total,
             **({"aux_loss": aux_loss} if has_aux else {})}
 
 
@@ -332,8 +336,12 @@ class _Run:
                 kw = {"zero_grad": self.model} if takes_zero_grad else {}
                 stats = dict(self.controller.run_step(items[0], self.accumulate_fn, **kw))
                 events += [str(e) for e in stats.pop("events", []) or []]
-            loss = stats["loss_sum"] / max(stats["n_tokens"], 1)
-            if not math.isfinite(loss):  # a NaN/inf loss poisons every gradient: drop the step, keep the scaler out
+            loss = stats["loss_sum"] / stats["n_tokens"] if stats["n_tokens"] else math.nan
+            if not stats["n_tokens"]:  # every label -100: AdamW would still move the weights (momentum, decay)
+                self.optimizer.zero_grad(set_to_none=True)
+                grad_norm, skipped = math.nan, True
+                events.append("no_trained_tokens_skipped")
+            elif not math.isfinite(loss):  # a NaN/inf loss poisons every gradient: drop the step, keep the scaler out
                 self.optimizer.zero_grad(set_to_none=True)
                 grad_norm, skipped = math.nan, True
                 events.append("nonfinite_loss_skipped")
@@ -348,8 +356,9 @@ class _Run:
                 elif skipped:
                     events.append("nonfinite_grad_skipped")
         step_time = time.perf_counter() - t0
+        applied = not skipped and not any(e.startswith("scaler_skip") for e in events)  # the weights moved
         row = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": stats["n_tokens"],
-               "tokens_per_s": stats["n_tokens"] / step_time if step_time > 0 else math.nan,
+               "applied": applied, "tokens_per_s": stats["n_tokens"] / step_time if step_time > 0 else math.nan,
                "peak_memory_bytes": math.nan if self.meter is None else float(self.meter.peak()),
                "step_time": step_time, "skipped": skipped, "val_loss": math.nan, "val_ppl": math.nan,
                "scale": self.scaler.get_scale() if self.scaler is not None else math.nan, "events": events}
@@ -358,9 +367,10 @@ class _Run:
         return row
 
     def count_bad_step(self, row: dict) -> None:
-        """Advance the step; after cfg.max_bad_steps skipped steps in a row, roll back to last.pt at a lower LR."""
-        self.bad_in_row = self.bad_in_row + 1 if row["skipped"] else 0
-        self.bad_steps += int(row["skipped"])
+        """Advance the step; after cfg.max_bad_steps NaN/inf steps in a row, roll back to last.pt at a lower LR."""
+        bad = row["skipped"] and row["tokens"] > 0  # a step without trained tokens is skipped: no sign of divergence
+        self.bad_in_row = self.bad_in_row + 1 if bad else 0
+        self.bad_steps += int(bad)
         self.step += 1  # a rollback then rewinds it
         if self.bad_in_row < self.cfg.max_bad_steps:
             return
@@ -411,6 +421,10 @@ def fit(model: nn.Module, train_batches_or_loader: Iterable, cfg: TrainConfig, *
             if row["step"] % max(cfg.log_every, 1) == 0:
                 bar.set_postfix(loss=f"{row['loss']:.3f}", lr=f"{row['lr']:.2e}")
             stop = "stop" in [cb(row["step"], row) for cb in run.callbacks]  # every callback runs
+        if rows and not any(r["applied"] for r in rows):  # before the final save: last.pt must not claim progress
+            why = sorted({e.split("(")[0] for r in rows for e in r["event"].split(";") if "skip" in e})
+            raise RuntimeError(f"no optimizer step was applied: all {len(rows)} step(s) were skipped ({', '.join(why)}"
+                               f"); nothing was trained (check the data's labels, lower the lr, or try amp='off')")
         if run.ckpt_path is not None and rows and "ckpt" not in rows[-1]["event"].split(";"):
             tag = run.save()  # the final state, so a later run (or notebook) can resume or load it
             rows[-1]["event"] = ";".join(e for e in (rows[-1]["event"], tag) if e)

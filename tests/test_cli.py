@@ -198,7 +198,7 @@ def test_resume_with_a_different_config(runs, tmp_path, capsys):
 
 def test_resume_without_a_run(tmp_path, capsys):
     code, _, err = run_cli(["pretrain", "--out", tmp_path / "empty", "--resume"] + TINY, capsys)
-    assert code == 2 and "no training state" in err and "last.pt" in err
+    assert code == 2 and "no run config" in err and "config.json" in err and "is not a run to resume" in err
 
 
 def test_existing_run_is_not_overwritten(runs, tmp_path, capsys):

@@ -4,13 +4,14 @@ import os
 
 import pytest
 
-from minimind_lib.fileio import atomic_open, atomic_write_bytes, atomic_write_text
+from minimind_lib.fileio import atomic_open, atomic_write_text
 
 
 def test_write_replaces_whole_file_readable_by_all(tmp_path):
     path = tmp_path / "sub" / "a.json"
     atomic_write_text(path, "old")
-    atomic_write_bytes(path, b"new")
+    with atomic_open(path, "wb") as f:
+        f.write(b"new")
     assert path.read_bytes() == b"new"
     assert os.stat(path).st_mode & 0o777 == 0o644
     assert [p.name for p in path.parent.iterdir()] == ["a.json"]

@@ -1,5 +1,6 @@
-"""Reliability (issue 18): a run survives kills and concurrent use, nothing of the user's is lost, every bad number
-is refused with one clear error. Tiny smoke-profile runs of a few steps; each test fails without its fix."""
+"""Reliability (issues 18 and 29): a run survives kills, full disks and concurrent use, nothing of the user's is lost,
+every bad number is refused with one clear error. Tiny smoke-profile runs of a few steps; each test fails without its
+fix."""
 
 from __future__ import annotations
 
@@ -75,7 +76,7 @@ def test_a_kill_between_checkpoint_and_metrics_loses_no_row(tmp_path, cache, mon
     monkeypatch.setattr(pipeline.Recorder, "write_metrics", real_write)
     assert torch.load(tmp_path / "run" / "last.pt", weights_only=True)["step"] == 2
     assert not (tmp_path / "run" / "metrics.csv").exists()
-    stale = tmp_path / "run" / ".last.pt.x1y2z3.tmp"  # what a kill during torch.save leaves
+    stale = tmp_path / "run" / ".minimind-tmp.last.pt.x1y2z3.tmp"  # what a kill during torch.save leaves
     stale.write_bytes(b"\0" * 1000)
     resumed = pipeline.pretrain(out=tmp_path / "run", steps=4, ckpt_every=2, cache_dir=cache, resume=True, **TINY)
     assert resumed.metrics["step"].tolist() == [-1, 0, 1, 2, 3]
@@ -102,7 +103,7 @@ def test_a_second_run_into_the_same_out_is_refused(tmp_path, cache, capsys):
     with exclusive_dir(out):  # the first run holds the lock (another process in real use; flock is per open file)
         code, _, err = run_cli(["pretrain", "--out", out, "--steps", 1, "--cache", cache] + TINY_CLI, capsys)
         assert code == 2 and f"is in use by pid {os.getpid()}" in err
-        assert sorted(p.name for p in out.iterdir()) == [".lock"]
+        assert sorted(p.name for p in out.iterdir()) == [".minimind-lock"]
     assert not out.exists()  # the lock removes the folder it created, as nothing else was written
     code, _, err = run_cli(["pretrain", "--out", out, "--steps", 1, "--cache", cache] + TINY_CLI, capsys)
     assert code == 0, err
@@ -146,7 +147,7 @@ def test_resume_of_a_run_without_a_data_fingerprint_says_why(tmp_path, cache, ca
     del config["data_fingerprint"]  # as written before runs recorded one
     (out / "config.json").write_text(json.dumps(config))
     code, _, err = run_cli(["pretrain", "--out", out, "--resume"] + common, capsys)
-    assert code == 2 and "records no data_fingerprint (written by an older version)" in err
+    assert code == 2 and "records no data_fingerprint of the whole file (written by an older version)" in err
 
 
 # ------------------------------------------------------------------------------------------ also
@@ -246,7 +247,8 @@ def test_rolled_back_rows_are_marked_and_their_tokens_not_counted(tmp_path):
     rec = pipeline.Recorder(tmp_path, settings, None, None, None, write=False)
     for step, event in [(0, "ckpt"), (1, ""), (2, "nonfinite_loss_skipped"),
                         (2, "nonfinite_loss_skipped;rollback_to_step_1;lr_scale=0.5"), (1, ""), (2, "")]:
-        rec(step, {"step": step, "loss": 1.0, "tokens": 10, "event": event, "skipped": "skipped" in event})
+        rec(step, {"step": step, "loss": 1.0, "tokens": 10, "event": event, "skipped": "skipped" in event,
+                   "applied": "skipped" not in event})
     df = rec.frame()
     assert df["rolled_back"].fillna(False).tolist() == [False, True, True, True, False, False]
     assert df["tokens_seen"].iloc[-1] == 30 and pipeline.summarize(df, 1.0)["tokens"] == 30
@@ -302,3 +304,208 @@ def test_the_data_folder_finds_minimind_file_names(tmp_path, monkeypatch):
     assert paths.find_data_file("sft").name == "sft_t2t_mini.jsonl"
     assert pipeline.resolve_settings(pipeline.RunSettings(stage="sft"), pipeline.get_profile("smoke")).data == \
         tmp_path / "sft_t2t_mini.jsonl"
+
+
+# ------------------------------------------------------------------------------------------ issue 29: must fix 1-6
+def test_files_of_the_users_in_out_are_never_removed(pre, tmp_path, cache, capsys):
+    def users_files(d: Path) -> None:
+        d.mkdir(parents=True, exist_ok=True)
+        (d / ".lock").write_text("my lock")
+        (d / ".draft.tmp.txt").write_text("my draft")
+        (d / ".notes.tmp-1").mkdir(exist_ok=True)
+
+    def kept(d: Path) -> bool:
+        return ((d / ".lock").read_text() == "my lock" and (d / ".draft.tmp.txt").read_text() == "my draft"
+                and (d / ".notes.tmp-1").is_dir())
+
+    mine = tmp_path / "mine"  # refused (a tokenizer/ this program did not write): nothing of the user's goes
+    users_files(mine)
+    (mine / "tokenizer").mkdir()
+    (mine / "tokenizer" / "notes.txt").write_text("mine")
+    code, _, err = run_cli(["pretrain", "--out", mine, "--steps", 1, "--cache", cache] + TINY_CLI, capsys)
+    assert code == 2 and "not a tokenizer this program wrote" in err and kept(mine)
+    code, _, err = run_cli(["pretrain", "--out", mine, "--steps", 1, "--overwrite", "--cache", cache] + TINY_CLI, capsys)
+    assert code == 2 and kept(mine)
+    run = tmp_path / "run"  # a run directory replaced with --overwrite: still only the program's own files go
+    shutil.copytree(pre, run)
+    users_files(run)
+    ours = run / ".minimind-tmp.last.pt.abc.tmp"  # a killed write's leftover: the program's own prefix
+    ours.write_bytes(b"\0" * 10)
+    code, _, err = run_cli(["pretrain", "--out", run, "--steps", 1, "--overwrite", "--cache", cache] + TINY_CLI, capsys)
+    assert code == 0, err
+    assert kept(run) and not ours.exists() and not (run / ".minimind-lock").exists()
+    (mine / "tokenizer" / "model.pth").write_text("not a model")  # --overwrite of a folder that is not a run
+    code, _, err = run_cli(["pretrain", "--out", mine / "tokenizer", "--steps", 1, "--overwrite", "--cache", cache]
+                           + TINY_CLI, capsys)
+    assert code == 2 and "replaces a run of this program only" in err
+    assert (mine / "tokenizer" / "model.pth").read_text() == "not a model"
+
+
+def test_resume_refuses_a_same_size_edit_in_the_middle_of_the_data(tmp_path, cache, capsys):
+    data = tmp_path / "data.jsonl"  # 7 MB: a fingerprint of the first and last MiB would miss the middle
+    shutil.copy(DATA_DIR / "pretrain.jsonl", data)
+    out, common = tmp_path / "run", ["--data", data, "--steps", 4, "--cache", cache] + TINY_CLI
+    assert run_cli(["pretrain", "--out", out, "--stop-after", 2] + common, capsys)[0] == 0
+    content, stat = data.read_bytes(), data.stat()
+    middle = content.index(b" the ", len(content) // 2)
+    data.write_bytes(content[:middle] + b" THE " + content[middle + 5:])  # same size,
+    os.utime(data, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # same mtime
+    code, _, err = run_cli(["pretrain", "--out", out, "--resume"] + common, capsys)
+    assert code == 2 and "data.jsonl changed since the run started" in err
+    data.write_bytes(content)
+    assert run_cli(["pretrain", "--out", out, "--resume"] + common, capsys)[0] == 0
+
+
+def nan_forward(monkeypatch, bad_calls):
+    """Training forwards number 1, 2, ... whose logits are NaN (a diverged model, deterministically)."""
+    forward, calls = MiniMindForCausalLM.forward, {"n": 0}
+
+    def forward_nan(self, input_ids, *args, **kwargs):
+        out = forward(self, input_ids, *args, **kwargs)
+        if self.training:
+            calls["n"] += 1
+            if bad_calls(calls["n"]):
+                out.logits = out.logits * math.nan
+        return out
+
+    monkeypatch.setattr(MiniMindForCausalLM, "forward", forward_nan)
+
+
+def test_a_run_that_never_trained_fails_and_skipped_steps_are_not_counted(tmp_path, cache, monkeypatch, capsys):
+    nan_forward(monkeypatch, lambda n: True)
+    out = tmp_path / "never"
+    code, stdout, err = run_cli(["pretrain", "--out", out, "--steps", 8, "--cache", cache] + TINY_CLI, capsys)
+    assert code == 2 and "no optimizer step was applied: all 8 step(s) were skipped (nonfinite_loss_skipped)" in err
+    assert stdout == "" and not (out / "summary.json").exists() and not (out / "model.pth").exists()
+    monkeypatch.undo()
+    nan_forward(monkeypatch, lambda n: n == 2)  # only the second step's loss is NaN
+    code, stdout, err = run_cli(["pretrain", "--out", tmp_path / "one", "--steps", 4, "--cache", cache] + TINY_CLI,
+                                capsys)
+    assert code == 0, err
+    summary, metrics = json.loads(stdout), pd.read_csv(tmp_path / "one" / "metrics.csv")
+    trained = metrics[metrics["step"] >= 0]
+    assert trained["applied"].tolist() == [True, False, True, True] and summary["skipped_steps"] == [1]
+    assert summary["steps"] == 3 and summary["tokens"] == trained["tokens"][trained["applied"]].sum()
+    assert metrics["tokens_seen"].iloc[-1] == summary["tokens"] < trained["tokens"].sum()
+
+
+def test_an_empty_out_is_refused(tmp_path, cache, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # where an empty --out would put a whole run
+    code, _, err = run_cli(["pretrain", "--out", "", "--steps", 1, "--cache", cache] + TINY_CLI, capsys)
+    assert code == 2 and "an output directory is needed (--out DIR), got ''" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_run_stopped_before_its_first_checkpoint_resumes_from_step_0(tmp_path, cache, monkeypatch, capsys):
+    out, common = tmp_path / "run", ["--steps", 3, "--cache", cache] + TINY_CLI
+    fit = pipeline.fit
+
+    def killed(*args, **kwargs):
+        raise RuntimeError("killed before the first checkpoint")
+
+    monkeypatch.setattr(pipeline, "fit", killed)
+    assert run_cli(["pretrain", "--out", out] + common, capsys)[0] == 2
+    monkeypatch.setattr(pipeline, "fit", fit)
+    assert (out / "config.json").is_file() and not (out / "last.pt").exists()
+    code, _, err = run_cli(["pretrain", "--out", out, "--resume", "--lr", "0.01"] + common, capsys)
+    assert code == 2 and "config field 'lr' differs" in err  # the recorded settings still hold
+    code, stdout, err = run_cli(["pretrain", "--out", out, "--resume"] + common, capsys)
+    assert code == 0, err
+    assert "holds no checkpoint yet: starting it again from step 0 with its recorded settings" in err
+    code, _, err = run_cli(["pretrain", "--out", tmp_path / "straight"] + common, capsys)
+    assert code == 0, err
+    assert snapshot(out)["model.pth"] == snapshot(tmp_path / "straight")["model.pth"]
+    assert json.loads(stdout)["steps"] == 3
+
+
+def test_a_full_disk_names_the_file_and_keeps_the_previous_checkpoint(tmp_path, cache, capsys):
+    import resource
+    import subprocess
+    import sys
+
+    out, common = tmp_path / "run", ["--steps", 4, "--cache", cache] + TINY_CLI
+    assert run_cli(["pretrain", "--out", out, "--stop-after", 2] + common, capsys)[0] == 0
+    before = (out / "last.pt").read_bytes()
+    limit = 2**20  # the file-size limit (ulimit -f): last.pt (6 MB) does not fit, tokenizer.json (0.4 MB) does
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
+    p = subprocess.run([sys.executable, "-m", "minimind_lib", "pretrain", "--out", out, "--resume"]
+                       + [str(a) for a in common], capture_output=True, text=True, env=env,
+                       preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)))
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+    assert (f"error: cannot write {out / 'last.pt'}: the file-size limit (ulimit -f) was reached; the partial file "
+            f"was removed, the previous last.pt is unchanged") in p.stderr
+    assert (out / "last.pt").read_bytes() == before and not list(out.glob(".minimind-tmp*"))
+    assert run_cli(["pretrain", "--out", out, "--resume"] + common, capsys)[0] == 0
+
+
+# ------------------------------------------------------------------------------------------ issue 29: also
+def test_config_shapes_dtypes_and_undefined_losses_are_explained():
+    for field, value, rule in [("intermediate_size", 0, "a positive integer"), ("intermediate_size", -1,
+                               "a positive integer"), ("rope_theta", math.nan, "a finite number > 0")]:
+        with pytest.raises(ValueError, match=f"MiniMindConfig.{field}={value}: must be {rule}"):
+            MiniMindConfig.preset("smoke", **{field: value})
+    model = MiniMindForCausalLM(MiniMindConfig.preset("smoke"))
+    for ids in (torch.tensor([[1.0, 2.0]]), torch.tensor([1, 2]), torch.ones(1, 2, 3, dtype=torch.long)):
+        with pytest.raises(ValueError, match=r"input_ids must be a \(batch, seq_len\) tensor of token ids, torch.long "
+                                             r"or torch.int; got shape"):
+            model(ids)
+    with pytest.raises(ValueError, match="the loss is undefined: every label after the first position is -100"):
+        model(torch.tensor([[1, 2, 3]]), labels=torch.tensor([[1, -100, -100]]))
+
+
+def test_the_loop_never_steps_on_a_micro_batch_without_trained_tokens():
+    from minimind_lib.train import TrainConfig, fit
+
+    ids = torch.randint(0, 6400, (2, 16))
+    good, empty = {"input_ids": ids, "labels": ids.clone()}, {"input_ids": ids, "labels": torch.full_like(ids, -100)}
+    model = MiniMindForCausalLM(MiniMindConfig.preset("smoke"))
+    cfg = TrainConfig(lr=1e-3, max_steps=3, warmup_steps=0, amp="off", progress=False)
+    weights = []
+    df = fit(model, [good, empty, good], cfg, device="cpu",
+             callbacks=[lambda step, row: weights.append(model.lm_head.weight.detach().clone())])
+    assert df["applied"].tolist() == [True, False, True] and df["skipped"].tolist() == [False, True, False]
+    assert "no_trained_tokens_skipped" in df["event"].iloc[1] and df.attrs["bad_steps"] == 0
+    assert df["empty_micro_batches"].sum() == 1 and torch.equal(weights[0], weights[1])  # AdamW did not move them
+    with pytest.raises(RuntimeError, match=r"no optimizer step was applied: all 2 step\(s\) were skipped "
+                                           r"\(no_trained_tokens_skipped\)"):
+        fit(model, [empty], TrainConfig(max_steps=2, warmup_steps=0, amp="off", progress=False), device="cpu")
+
+
+def test_clear_messages_for_a_dangling_link_a_bad_device_and_a_cache_file(tmp_path, cache, capsys):
+    (tmp_path / "link").symlink_to(tmp_path / "gone")
+    code, _, err = run_cli(["pretrain", "--out", tmp_path / "link", "--cache", cache] + TINY_CLI, capsys)
+    assert code == 2 and f"is a symbolic link to {tmp_path / 'gone'}, which does not exist" in err
+    with pytest.raises(SystemExit):
+        cli.main(["pretrain", "--out", str(tmp_path / "r"), "--device", "gpu0"])
+    assert "'gpu0' is not a device: use cpu, cuda, cuda:N (N: a GPU's index) or mps" in capsys.readouterr().err
+    (tmp_path / "afile").write_text("a file")
+    code, _, err = run_cli(["pretrain", "--out", tmp_path / "r", "--cache", tmp_path / "afile"] + TINY_CLI, capsys)
+    assert code == 2 and "afile is a file, not a directory (pass --cache DIR)" in err
+    assert not (tmp_path / "r").exists()
+
+
+def test_the_generation_cap_warning_points_at_the_caller():
+    model = MiniMindForCausalLM(MiniMindConfig.preset("smoke", max_position_embeddings=16))
+    with pytest.warns(UserWarning, match="generating 2 of the 10") as warned:
+        generate_ids(model, torch.ones(14, dtype=torch.long), max_new_tokens=10, temperature=0)
+    assert warned[0].filename == __file__
+
+
+def test_a_kill_between_checkpoint_and_samples_loses_no_sample(tmp_path, cache, monkeypatch):
+    kw = {**TINY, "steps": 4, "ckpt_every": 2, "sample_every": 2, "sample_prompts": ("ROMEO.\n",), "cache_dir": cache}
+    straight = pipeline.pretrain(out=tmp_path / "straight", **kw).samples
+    call = pipeline.Recorder.__call__
+
+    def killed(self, step, row):
+        if step == 1:  # last.pt of step 2 is written; samples.jsonl is next
+            raise RuntimeError("killed after last.pt was written")
+        return call(self, step, row)
+
+    monkeypatch.setattr(pipeline.Recorder, "__call__", killed)
+    with pytest.raises(RuntimeError, match="killed"):
+        pipeline.pretrain(out=tmp_path / "run", **kw)
+    monkeypatch.setattr(pipeline.Recorder, "__call__", call)
+    resumed = pipeline.pretrain(out=tmp_path / "run", resume=True, **kw)
+    assert [r["step"] for r in straight] == [2, 4] and resumed.samples == straight
+    lines = (tmp_path / "run" / "samples.jsonl").read_text(encoding="utf-8").splitlines()
+    assert [json.loads(line) for line in lines] == straight

@@ -195,8 +195,11 @@ def test_accumulate_step_bad_inputs():
     model = tiny_model()
     b = batches(1)[0]
     empty = {**b, "labels": torch.full_like(b["labels"], -100)}
-    with pytest.raises(ValueError, match="no trained tokens"):
-        accumulate_step(model, [empty])
+    out = accumulate_step(model, [empty])  # nothing to learn from: no forward, no gradient, the caller skips the step
+    assert out["n_tokens"] == 0 and out["empty_micro_batches"] == 1 and math.isnan(out["loss"])
+    assert all(p.grad is None for p in model.parameters())
+    out = accumulate_step(model, [empty, b])  # the empty micro-batch is not run; the other one trains
+    assert out["n_tokens"] == trained_tokens(b["labels"]) and out["empty_micro_batches"] == 1
     with pytest.raises(ValueError, match="no micro-batches"):
         accumulate_step(model, [])
     with pytest.raises(ValueError, match="normalization='x'"):

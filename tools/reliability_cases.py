@@ -16,6 +16,7 @@ import json
 import math
 import os
 import pickle
+import resource
 import shutil
 import signal
 import subprocess
@@ -46,7 +47,7 @@ class Cases:
         return text.replace(str(self.t), "T").replace(f"{ROOT}/", "")
 
     def show(self, args: list) -> str:
-        text = self.local(" ".join(str(a) for a in args)).replace(" ".join(TINY), "TINY")
+        text = self.local(" ".join(str(a) or "''" for a in args)).replace(" ".join(TINY), "TINY")
         return text.replace(" --cache T/cache", "")
 
     def start(self, args: list) -> subprocess.Popen:
@@ -54,15 +55,19 @@ class Cases:
         return subprocess.Popen(argv, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
     def run(self, case: str, args: list, expect: int | None = 2, check=None, python: str | None = None,
-            tiny: bool = True) -> dict:
-        """Run one command (python: library code instead of the CLI) and record exit code and first error line."""
+            tiny: bool = True, file_limit: int | None = None) -> dict:
+        """Run one command (python: library code instead of the CLI) and record exit code and first error line;
+        file_limit: the largest file it may write, in bytes (ulimit -f)."""
         if python is not None:
-            argv, shown = [sys.executable, "-c", python], f"python -c '{python}'"
+            argv, shown = [sys.executable, "-c", python], self.local(f"python -c '{python}'")
         else:
             train = args[0] in ("pretrain", "sft")
-            args = [*args, *(TINY if tiny and train else []), *(self.cache if train else [])]
+            args = [*args, *(TINY if tiny and train else []), *(self.cache if train and "--cache" not in args else [])]
             argv, shown = [sys.executable, "-m", "minimind_lib", *map(str, args)], self.show(["minimind", *args])
-        p = subprocess.run(argv, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+        limit = None if file_limit is None else lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (file_limit,) * 2)
+        if file_limit is not None:
+            shown = f"ulimit -f {file_limit // 1024}; {shown}"
+        p = subprocess.run(argv, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600, preexec_fn=limit)
         return self.record(case, shown, p.returncode, p.stdout, p.stderr, expect, check)
 
     def record(self, case: str, shown: str, code: int, out: str, err: str, expect: int | None, check) -> dict:
@@ -136,6 +141,13 @@ def flag_cases(c: Cases) -> None:
         c.run("--device cuda on a machine without CUDA", ["pretrain", "--out", t / "f", "--device", "cuda"])
     (t / "afile").write_text("a file")
     c.run("--out is a regular file", ["pretrain", "--out", t / "afile", "--steps", 1])
+    c.run("--out '' (empty)", ["pretrain", "--out", "", "--steps", 1],
+          check=lambda: f"nothing written in the current directory: {not (ROOT / 'config.json').exists()}")
+    (t / "dangling").symlink_to(t / "gone")
+    c.run("--out is a symbolic link to nothing", ["pretrain", "--out", t / "dangling", "--steps", 1])
+    c.run("--device gpu0", ["pretrain", "--out", t / "f", "--device", "gpu0"])
+    c.run("--cache is a file", ["pretrain", "--out", t / "f", "--steps", 1, "--cache", t / "afile"],
+          check=lambda: f"--out written: {(t / 'f').exists()}")
     c.run("chat --temperature nan", ["chat", "--ckpt", t / "pre", "--prompt", "hi", "--temperature", "nan"])
     c.run("chat --max-new-tokens 0", ["chat", "--ckpt", t / "pre", "--prompt", "hi", "--max-new-tokens", 0])
 
@@ -150,13 +162,25 @@ def out_dir_cases(c: Cases) -> None:
     (t / "mine/tokenizer/notes.txt").write_text("the user's")
     c.run("--out/tokenizer/ holds a user's file", ["pretrain", "--out", t / "mine", "--steps", 1],
           check=lambda: f"user's file kept: {(t / 'mine/tokenizer/notes.txt').exists()}")
+    users = {".lock": "the user's lock", ".draft.tmp.txt": "the user's draft"}
+    for name, text in users.items():
+        (t / "mine" / name).write_text(text)
+    kept = lambda d: all((d / n).is_file() and (d / n).read_text() == text for n, text in users.items())  # noqa: E731
+    c.run("--out holds the user's .lock and .draft.tmp.txt (refused)", ["pretrain", "--out", t / "mine", "--steps", 1],
+          check=lambda: f"user's files kept: {kept(t / 'mine')}")
+    shutil.copytree(t / "pre", t / "over")
+    for name, text in users.items():
+        (t / "over" / name).write_text(text)
+    c.run("--overwrite a run whose folder holds the user's .lock and .draft.tmp.txt",
+          ["pretrain", "--out", t / "over", "--steps", 1, "--overwrite"], expect=0,
+          check=lambda: f"user's files kept: {kept(t / 'over')}")
     c.run("--resume on a finished run", ["pretrain", "--out", t / "copy", "--steps", 2, "--resume"],
           check=lambda: f"run unchanged: {snapshot(t / 'copy') == before}")
     c.run("--resume with another --max-tokens", ["pretrain", "--out", t / "copy", "--steps", 2, "--resume",
                                                  *TINY[:4], "--max-tokens", 256, *TINY[6:]], tiny=False)
     c.run("--resume of a folder with no run", ["pretrain", "--out", t / "nothing", "--resume"])
     first = c.start(["pretrain", "--out", t / "two", "--steps", 300, "--eval-every", 100, *TINY, *c.cache])
-    wait_for(t / "two/.lock", first)
+    wait_for(t / "two/.minimind-lock", first)
     c.run("two runs into one --out (the second)", ["pretrain", "--out", t / "two", "--steps", 300])
     out, err = first.communicate(timeout=600)
     shown = c.show(["minimind", "pretrain", "--out", t / "two", "--steps", 300, "--eval-every", 100, *TINY])
@@ -222,7 +246,44 @@ def kill_cases(c: Cases, pre_lines: list[str]) -> None:
     c.run("a run stopped after 2 of 4 steps", ["pretrain", "--out", t / "ed", *common, "--stop-after", 2], expect=0)
     data.write_text("".join(pre_lines[100:200]), encoding="utf-8")
     c.run("--resume after 100 lines were deleted from the data", ["pretrain", "--out", t / "ed", *common, "--resume"])
+    shutil.copy(DATA / "pretrain.jsonl", t / "mid.jsonl")  # 7 MB
+    common = ["--data", t / "mid.jsonl", "--steps", 4]
+    c.run("a run stopped after 2 of 4 steps (7 MB data)", ["pretrain", "--out", t / "mid", *common, "--stop-after", 2],
+          expect=0)
+    content, stat = (t / "mid.jsonl").read_bytes(), (t / "mid.jsonl").stat()
+    middle = content.index(b" the ", len(content) // 2)
+    (t / "mid.jsonl").write_bytes(content[:middle] + b" THE " + content[middle + 5:])
+    os.utime(t / "mid.jsonl", ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    c.run("--resume after 'the' became 'THE' mid-file (same size, same mtime)",
+          ["pretrain", "--out", t / "mid", *common, "--resume"])
+    (t / "mid.jsonl").write_bytes(content)
+    c.run("the same file restored, --resume", ["pretrain", "--out", t / "mid", *common, "--resume"], expect=0)
+    never_checkpointed(c)
+    common = ["--steps", 4, "--eval-every", 2]
+    c.run("a run stopped after 2 of 4 steps (for the full disk)", ["pretrain", "--out", t / "fsz", *common,
+                                                                   "--stop-after", 2], expect=0)
+    before = digest(t / "fsz/last.pt")
+    c.run("--resume with a 1 MB file-size limit (last.pt is 6 MB)", ["pretrain", "--out", t / "fsz", *common,
+                                                                      "--resume"], file_limit=2**20,
+          check=lambda: (f"previous last.pt unchanged: {digest(t / 'fsz/last.pt') == before}; temp files left: "
+                         f"{len(list((t / 'fsz').glob('.minimind-tmp*')))}"))
+    c.run("--resume again, no limit", ["pretrain", "--out", t / "fsz", *common, "--resume"], expect=0)
     assert straight["code"] == 0
+
+
+def never_checkpointed(c: Cases) -> None:
+    """A run killed before its first checkpoint (config.json, no last.pt) is resumed from step 0."""
+    t, run = c.t, ["--steps", 20, "--eval-every", 10]
+    c.run("uninterrupted 20-step run (the reference)", ["pretrain", "--out", t / "ref20", *run], expect=0)
+    proc = c.start(["pretrain", "--out", t / "early", *run, *TINY, *c.cache])
+    wait_for(t / "early/config.json", proc)
+    proc.send_signal(signal.SIGKILL)
+    o, e = proc.communicate(timeout=600)
+    c.record("SIGKILL before the first checkpoint", c.show(["minimind", "pretrain", "--out", t / "early", *run, *TINY]),
+             proc.returncode, o, e, None, lambda: f"last.pt written: {(t / 'early/last.pt').exists()}")
+    c.run("--resume of that run", ["pretrain", "--out", t / "early", *run, "--resume"], expect=0,
+          check=lambda: (f"model.pth bit-identical to the uninterrupted run: "
+                         f"{digest(t / 'early/model.pth') == digest(t / 'ref20/model.pth')}"))
 
 
 def same_steps(a: Path, b: Path) -> str:
@@ -235,7 +296,20 @@ def same_steps(a: Path, b: Path) -> str:
 
 def api_cases(c: Cases) -> None:
     prelude = "from minimind_lib.model import *; import torch; "
-    c.run("MiniMindConfig(hidden_size=0)", [], python=prelude + "MiniMindConfig(hidden_size=0)", expect=1)
+    for config in ("hidden_size=0", "intermediate_size=0", "intermediate_size=-1", "rope_theta=float('nan')"):
+        c.run(f"MiniMindConfig({config})", [], python=prelude + f"MiniMindConfig({config})", expect=1)
+    model = prelude + "m = MiniMindForCausalLM(MiniMindConfig.preset('smoke')); "
+    for what, ids in [("float token ids", "torch.tensor([[1.0, 2.0]])"), ("1-D token ids", "torch.tensor([1, 2])"),
+                      ("3-D token ids", "torch.ones(1, 2, 3).long()")]:
+        c.run(what, [], python=model + f"m({ids})", expect=1)
+    c.run("labels all -100", [], python=model + "m(torch.tensor([[1, 2, 3]]), labels=torch.tensor([[1, -100, -100]]))",
+          expect=1)
+    nan = ("import sys; from minimind_lib import cli; from minimind_lib.model import MiniMindForCausalLM as M; f = "
+           "M.forward; M.forward = lambda s, *a, **k: (o := f(s, *a, **k), s.training and setattr(o, 'logits', "
+           "o.logits * float('nan')))[0]; sys.exit(cli.main(['pretrain', '--out', '" + str(c.t / "nan") + "', "
+           "'--steps', '8', '--cache', '" + str(c.t / "cache") + "', " + ", ".join(f"'{a}'" for a in TINY) + "]))")
+    c.run("every step's loss NaN (8 steps)", [], python=nan, expect=2,
+          check=lambda: f"summary.json written: {(c.t / 'nan/summary.json').exists()}")
     c.run("a token id >= vocab_size", [], python=prelude + "MiniMindForCausalLM(MiniMindConfig.preset('smoke'))"
           "(torch.tensor([[1, 6400]]))", expect=1)
     gen = ("from minimind_lib.generate import generate_ids; m = MiniMindForCausalLM(MiniMindConfig.preset('smoke', "
@@ -246,6 +320,31 @@ def api_cases(c: Cases) -> None:
           "torch.ones(14).long(), 10, temperature=0).shape)", expect=0)
     c.run("generate: temperature nan", [], python=prelude + gen + "generate_ids(m, torch.ones(4).long(), 2, "
           "temperature=float('nan'))", expect=1)
+
+
+CHOICES = [
+    "Files the program leaves beside a user's start with `.minimind-` (the lock `.minimind-lock`, temp files "
+    "`.minimind-tmp.*`). Leftover temp files are removed only from a folder whose `config.json` is a run of this "
+    "program, and `--overwrite` refuses a folder that is not one: nothing else in `--out` is ever removed.",
+    "A data file's fingerprint is its size and the SHA-1 of its whole content, streamed. The tokenizer cache and the "
+    "`--resume` check use the same function (`fileio.file_fingerprint`), so they cannot disagree; a run hashes each "
+    "data file twice (its config, its cache). `python -m benchmarks memmap --json` reports the cost on a 1 GB file "
+    "(`fingerprint_s_median`). Runs recorded with the older head-and-tail fingerprint cannot be resumed.",
+    "A step is *applied* when it moved the weights: not a NaN/inf step, not an fp16 step the GradScaler skipped, not a "
+    "step without trained tokens. `summary.json`'s `steps` and `tokens` and `metrics.csv`'s `tokens_seen` count applied "
+    "steps only (and none a NaN rollback undid); `skipped_steps` lists the others. A run with no applied step fails.",
+    "A micro-batch whose labels are all -100 is not run (under DDP it is, adding 0, as every rank must take part in the "
+    "gradient sync); a step with none is skipped without an optimizer step (AdamW's momentum and weight decay would "
+    "still move the weights) and does not count towards a NaN rollback.",
+    "`model(ids, labels=...)` with every label -100 raises and says why the loss is undefined, for labels on the CPU; "
+    "on a GPU the check would make the host wait for the device at every forward, so the loss there is NaN as in torch.",
+    "A run directory with `config.json` but no `last.pt` (stopped before its first checkpoint) is resumed from step 0 "
+    "with its recorded settings (`--resume` says so and checks them like any resume).",
+    "A write that fails for lack of space or the file-size limit names the file and the reason; the temp file is "
+    "removed and the previous file (e.g. `last.pt`) stays as it was.",
+    "Samples are generated before the checkpoint of their step and stored in `last.pt`; `samples.jsonl` and "
+    "`metrics.csv` are rewritten after each checkpoint from what it holds, so a kill never separates them.",
+]
 
 
 def write_table(rows: list, path: Path) -> None:
@@ -259,6 +358,7 @@ def write_table(rows: list, path: Path) -> None:
              "| case | command | exit | first error line (or what was checked) | as promised |",
              "|---|---|---|---|---|"]
     lines += [f"| {case} | `{cmd}` | {code} | {what} | {ok} |" for case, cmd, code, what, ok in rows]
+    lines += ["", "## Choices made", ""] + [f"- {choice}" for choice in CHOICES]
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
