@@ -177,9 +177,9 @@ def estimate_memory(config, batch_size: int, seq_len: int, amp: str = "off", opt
     - accumulation (accum_steps > 1, batch_size rows per micro-batch): micro-batches 2..k start their backward with
       the gradients of the earlier ones held (4P).
     The peak is the larger of: the start of backward (params + buffers + optimizer states of earlier steps +
-    activations + head, + grads when accumulating), and the optimizer step (params + grads + states). Ignored: kernel-internal workspaces, the
-    allocator's rounding, transients inside backward, small bookkeeping tensors (RMSNorm's per-row rsqrt,
-    attention's logsumexp). fp32 is checked against MemoryMeter measurements in tests/test_memory.py (within 1-3%
+    activations + head, + grads when accumulating), and the optimizer step (params + grads + states). Ignored:
+    kernel workspaces, the allocator's rounding, transients inside backward, small bookkeeping tensors (RMSNorm's
+    rsqrt, attention's logsumexp). fp32 is checked against MemoryMeter counts in tests/test_memory.py (within 1-3%
     for the presets); under autocast the count is rougher (3-8% low at large batches: some CPU ops keep fp32
     activations)."""
     _check_step_args(batch_size, seq_len, amp, optimizer, accum_steps)

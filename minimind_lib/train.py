@@ -198,7 +198,7 @@ class AmpSettings:
         return {torch.bfloat16: "bf16", torch.float16: "fp16", None: "fp32"}[self.dtype]
 
 
-CPU_BF16_MIN_HIDDEN = 256  # notebook 05: with AVX512-BF16 (no AMX), bf16 was x1.27 fp32's step at hidden 64, x0.66 at 256
+CPU_BF16_MIN_HIDDEN = 256  # notebook 05: AVX512-BF16, no AMX: bf16 x1.27 fp32's step at hidden 64, x0.66 at 256
 
 
 def resolve_amp(amp: str, device: torch.device | str, hidden_size: int | None = None) -> AmpSettings:

@@ -139,8 +139,8 @@ def test_estimate_terms_of_the_two_loops_match_the_fake_tensor_count(amp):
     from minimind_lib.memory import measure_step_memory
 
     cfg, n = MiniMindConfig.preset("smoke"), 4 * 64
-    count = {(k, held): measure_step_memory(cfg, 4, 64, amp=amp, fake=True, accum_steps=k, logits_held=held)["peak_bytes"]
-             for k in (1, 3) for held in (True, False)}
+    count = {(k, held): measure_step_memory(cfg, 4, 64, amp=amp, fake=True, accum_steps=k,
+                                            logits_held=held)["peak_bytes"] for k in (1, 3) for held in (True, False)}
     est = {key: estimate_memory(cfg, 4, 64, amp=amp, accum_steps=key[0], logits_held=key[1]) for key in count}
     for key, counted in count.items():  # seen: 0.1% (fp32), 0.8% (bf16)
         assert abs(est[key]["peak_bytes"] / counted - 1) < 0.02, (key, est[key]["peak_bytes"], counted)
