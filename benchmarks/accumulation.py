@@ -60,7 +60,7 @@ def measure_step_peak(model: nn.Module, micro_batches: Sequence[dict], *, device
     device = torch.device(device)
     model = copy.deepcopy(model).to(device)
     opt = build_optimizer(model, TrainConfig(lr=1e-6, progress=False), device)
-    settings = resolve_amp(amp, device)
+    settings = resolve_amp(amp, device, model.config.hidden_size)
     scaler = torch.amp.GradScaler(device.type) if settings.use_scaler else None
 
     def step() -> None:

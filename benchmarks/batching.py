@@ -140,7 +140,7 @@ def strategy_batches(dataset, profile, n_batches: int, seed: int = 0) -> dict[st
 def time_strategies(model: torch.nn.Module, batches: dict[str, list[dict]], device: torch.device,
                     lr: float = 1e-3, warmup: int = 1) -> dict[str, dict]:
     """Useful tokens/s of forward+backward+AdamW per strategy, round-robin, from identical initial weights."""
-    amp = resolve_amp("auto", device)
+    amp = resolve_amp("auto", device, model.config.hidden_size)
     runs = {}
     for name in batches:
         m = copy.deepcopy(model).to(device).train()

@@ -268,7 +268,7 @@ class OursRecipe:
     def __init__(self, model: nn.Module, device: torch.device, lr: float, total_steps: int, fused: str = "auto"):
         self.model, self.device = model, device
         self.cfg = TrainConfig(lr=lr, max_steps=max(1, total_steps), warmup_steps=1, progress=False)
-        self.amp = resolve_amp(self.cfg.amp, device)
+        self.amp = resolve_amp(self.cfg.amp, device, model.config.hidden_size)
         self.scaler = make_scaler(self.amp, device)
         self.optimizer, self.optimizer_impl = make_optimizer(model, self.cfg, device, fused)
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -616,7 +616,7 @@ def run_levers(args: argparse.Namespace) -> dict:
     """Each lever as a ratio measured in this process (alternating repeats), with peak memory where it matters."""
     s = _setup(args)
     device, config, profile = s["device"], s["config"], s["profile"]
-    amp = resolve_amp("auto", device)
+    amp = resolve_amp("auto", device, config.hidden_size)
     dt = amp.dtype
     reps = args.lever_repeats
     model = _new_model(config, device, args.seed)

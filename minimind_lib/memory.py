@@ -150,15 +150,17 @@ _OPTIMIZERS = {  # name: (fp32 states per parameter, how to make one)
     "sgd_momentum": (1, lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9))}
 
 
-def _check_step_args(batch_size: int, seq_len: int, amp: str, optimizer: str) -> None:
+def _check_step_args(batch_size: int, seq_len: int, amp: str, optimizer: str, accum_steps: int = 1) -> None:
     for name, value, choices in (("amp", amp, _AMP_BYTES), ("optimizer", optimizer, _OPTIMIZERS)):
         if value not in choices:
             raise ValueError(f"{name} must be one of {sorted(choices)}, got {value!r}")
-    if batch_size <= 0 or seq_len <= 0:
-        raise ValueError(f"batch_size and seq_len must be positive, got batch_size={batch_size}, seq_len={seq_len}")
+    if min(batch_size, seq_len, accum_steps) <= 0:
+        raise ValueError(f"batch_size, seq_len and accum_steps must be positive, got batch_size={batch_size}, "
+                         f"seq_len={seq_len}, accum_steps={accum_steps}")
 
 
-def estimate_memory(config, batch_size: int, seq_len: int, amp: str = "off", optimizer: str = "adamw") -> dict:
+def estimate_memory(config, batch_size: int, seq_len: int, amp: str = "off", optimizer: str = "adamw",
+                    accum_steps: int = 1, logits_held: bool = True) -> dict:
     """Predict the bytes of one training step (fwd + bwd + optimizer) of a MiniMind model, analytically.
 
     Counts (N = batch_size*seq_len tokens, C hidden, F ffn width, V vocab, P parameters, s = activation bytes):
@@ -170,15 +172,18 @@ def estimate_memory(config, batch_size: int, seq_len: int, amp: str = "off", opt
       output (4NC * s; k and v are N*n_kv*D each when not repeated); SwiGLU saves gate, silu(gate), up and their
       product (4NF * s). The final norm adds (4 + 4 + s) NC. Mixture of experts (E of width F, k per token): P holds all
       E; N*k routed rows save 4F, input and output (2C at s, 3C under autocast) and index_add's fp32 copy (4C) each.
-    - the head: the logits (NV * s, held by the caller), cross-entropy's fp32 log-softmax (4NV), and at the start
-      of backward the gradients of the log-probs and of the logits (2 * 4NV) while those still live.
+    - the head: the logits (NV * s, when the caller holds them until backward: logits_held, as notebook 03's step;
+      the library's accumulate_step does not), cross-entropy's fp32 log-softmax (4NV), and at the start of backward
+      the gradients of the log-probs and of the logits (2 * 4NV) while those still live.
+    - accumulation (accum_steps > 1, batch_size rows per micro-batch): micro-batches 2..k start their backward with
+      the gradients of the earlier ones held (4P).
     The peak is the larger of: the start of backward (params + buffers + optimizer states of earlier steps +
-    activations + head), and the optimizer step (params + grads + states). Ignored: kernel-internal workspaces, the
-    allocator's rounding, transients inside backward, small bookkeeping tensors (RMSNorm's per-row rsqrt,
-    attention's logsumexp). fp32 is checked against MemoryMeter measurements in tests/test_memory.py (within 1-3%
+    activations + head, + grads when accumulating), and the optimizer step (params + grads + states). Ignored:
+    kernel workspaces, the allocator's rounding, transients inside backward, small bookkeeping tensors (RMSNorm's
+    rsqrt, attention's logsumexp). fp32 is checked against MemoryMeter counts in tests/test_memory.py (within 1-3%
     for the presets); under autocast the count is rougher (3-8% low at large batches: some CPU ops keep fp32
     activations)."""
-    _check_step_args(batch_size, seq_len, amp, optimizer)
+    _check_step_args(batch_size, seq_len, amp, optimizer, accum_steps)
     c, n, s = config, batch_size * seq_len, _AMP_BYTES[amp]
     C, F, V, L, kv = c.hidden_size, c.intermediate_size, c.vocab_size, c.num_hidden_layers, c.num_key_value_heads * c.head_dim
     q, qk = c.num_attention_heads * c.head_dim, 2 * c.head_dim if c.qk_norm else 0  # MiniMind-3: q/k norm gains
@@ -195,8 +200,9 @@ def estimate_memory(config, batch_size: int, seq_len: int, amp: str = "off", opt
     ffn_saved = 4 * n * F * s if not c.use_moe else (
         n * k * ((4 * Fe + (2 if amp == "off" else 3) * C) * s + 4 * C) + n * (4 * E + 36 * k + 4))
     activations = L * (2 * norm_saved + qk_saved + (2 * n * C + kv_saved) * s + ffn_saved) + norm_saved
-    head = n * V * s + n * V * 4 + 2 * n * V * 4
+    head = n * V * (s if logits_held else 0) + n * V * 4 + 2 * n * V * 4
     backward_start = params + buffers + opt_states + amp_weight_copies + activations + head
+    backward_start += grads if accum_steps > 1 else 0
     return {"params_bytes": params, "buffers_bytes": buffers, "grads_bytes": grads, "optimizer_bytes": opt_states,
             "amp_weight_copies_bytes": amp_weight_copies, "activations_bytes": activations, "head_bytes": head,
             "peak_bytes": max(backward_start, params + buffers + grads + opt_states), "n_params": P,
@@ -204,11 +210,13 @@ def estimate_memory(config, batch_size: int, seq_len: int, amp: str = "off", opt
 
 
 def measure_step_memory(config, batch_size: int, seq_len: int, amp: str = "off", optimizer: str = "adamw",
-                        device: torch.device | str = "cpu", fake: bool = False, seed: int = 0) -> dict:
+                        device: torch.device | str = "cpu", fake: bool = False, seed: int = 0,
+                        accum_steps: int = 1, logits_held: bool = True) -> dict:
     """Measure one steady-state training step (fwd + bwd + optimizer step) of a fresh model with a MemoryMeter.
     fake=True runs on FakeTensors (storages without arithmetic or real memory): the same count, for sizes this machine
-    cannot hold. amp autocasts the forward (a GradScaler would not change memory)."""
-    _check_step_args(batch_size, seq_len, amp, optimizer)
+    cannot hold. amp autocasts the forward (a GradScaler would not change memory). accum_steps micro-batches of
+    batch_size rows; logits_held keeps each micro-batch's logits until its backward (False: train.accumulate_step)."""
+    _check_step_args(batch_size, seq_len, amp, optimizer, accum_steps)
     if fake and config.use_moe:  # each expert's row count is data-dependent: a fake tensor has no values to route
         raise ValueError("measure_step_memory(fake=True) cannot route tokens to experts (use_moe): measure for real")
     device = torch.device("cpu") if fake else torch.device(device)  # fake tensors: bytes are device-independent
@@ -224,11 +232,14 @@ def measure_step_memory(config, batch_size: int, seq_len: int, amp: str = "off",
         x = torch.randint(0, config.vocab_size, (batch_size, seq_len), device=device)
         meter.reset_peak()
         with meter.track(model, opt, x):
-            with torch.autocast(device.type, dtype=torch.float16 if amp == "fp16" else torch.bfloat16,
-                                enabled=amp != "off"):
-                logits = model(x).logits
-            lm_loss(logits, x).backward()
-            del logits
+            for _ in range(accum_steps):  # the same rows each time: only their count matters here
+                with torch.autocast(device.type, dtype=torch.float16 if amp == "fp16" else torch.bfloat16,
+                                    enabled=amp != "off"):
+                    logits = model(x).logits
+                loss = lm_loss(logits, x) / accum_steps
+                logits = logits if logits_held else None  # not held: only the graph keeps what backward needs
+                loss.backward()
+                del logits, loss
             opt.step()
             opt.zero_grad(set_to_none=True)
         return {"peak_bytes": int(meter.peak()), "current_bytes": int(meter.current()),

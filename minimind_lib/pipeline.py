@@ -194,7 +194,7 @@ def _inputs(s: RunSettings, prof: Profile, device: torch.device) -> tuple[Any, M
 def _run_config(s: RunSettings, prof: Profile, preset: str | None, mcfg: MiniMindConfig, tok: Any,
                 device: torch.device, dinfo: Any) -> dict:
     """What config.json says the run is."""
-    amp = resolve_amp(s.amp, device)
+    amp = resolve_amp(s.amp, device, mcfg.hidden_size)
     return {"format": RUN_FORMAT, "version": RUN_VERSION, "stage": s.stage, "profile": prof.name,
             "model_preset": preset, "model": mcfg.to_dict(), "train": train_config(s).to_dict(),
             "tokenizer": {"fingerprint": tokenizer_fingerprint(tok), "vocab_size": int(tok.vocab_size)},
@@ -397,7 +397,7 @@ def _run(s: RunSettings, dinfo: Any = None) -> RunResult:
     out = Path(s.out)
     with exclusive_dir(out) if main else contextlib.nullcontext():
         check_out_dir(out, s.resume, s.overwrite)
-        cfg, amp = train_config(s), resolve_amp(s.amp, device)
+        cfg, amp = train_config(s), resolve_amp(s.amp, device, mcfg.hidden_size)
         run_cfg = _run_config(s, prof, preset, mcfg, tok, device, dinfo)
         saved_state = check_resume(out, run_cfg, cfg, dinfo) if s.resume else None
         ds, val, n_held_out = _datasets(s, tok, dinfo, log)  # 1. data

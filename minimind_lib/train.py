@@ -215,8 +215,12 @@ class AmpSettings:
         return {torch.bfloat16: "bf16", torch.float16: "fp16", None: "fp32"}[self.dtype]
 
 
-def resolve_amp(amp: str, device: torch.device | str) -> AmpSettings:
-    """Autocast dtype, GradScaler and why, for `amp` ("auto"|"bf16"|"fp16"|"off") on `device` (notebook 05 measures)."""
+CPU_BF16_MIN_HIDDEN = 256  # notebook 05: AVX512-BF16, no AMX: bf16 x1.27 fp32's step at hidden 64, x0.66 at 256
+
+
+def resolve_amp(amp: str, device: torch.device | str, hidden_size: int | None = None) -> AmpSettings:
+    """Autocast dtype, GradScaler and why, for `amp` ("auto"|"bf16"|"fp16"|"off") on `device`; on a CPU, auto picks
+    bf16 only for a model of hidden_size >= CPU_BF16_MIN_HIDDEN (notebook 05 measures where bf16 starts to pay)."""
     device = torch.device(device)
     if amp not in AMP_MODES:
         raise ValueError(f"amp={amp!r}; choose one of {AMP_MODES}")
@@ -228,12 +232,17 @@ def resolve_amp(amp: str, device: torch.device | str) -> AmpSettings:
         return AmpSettings(torch.bfloat16, False, "amp='bf16' requested")
     if amp == "fp16":  # the scaler is what makes fp16 safe; torch.amp has it on CPU and MPS too
         return AmpSettings(torch.float16, True, "amp='fp16' requested: fp16 autocast + GradScaler")
-    if device.type in ("cuda", "cpu") and device_module.bf16_native(device):
-        return AmpSettings(torch.bfloat16, False, f"auto: {device.type.upper()} with native bf16 -> bf16 autocast")
+    native = device.type in ("cuda", "cpu") and device_module.bf16_native(device)
     if device.type == "cuda":
-        return AmpSettings(torch.float16, True, "auto: CUDA without native bf16 -> fp16 autocast + GradScaler")
-    why = ("no native bf16: emulated bf16 is slower" if device.type == "cpu"
-           else "autocast coverage varies; opt in with amp='bf16'")
+        return (AmpSettings(torch.bfloat16, False, "auto: CUDA with native bf16 -> bf16 autocast") if native else
+                AmpSettings(torch.float16, True, "auto: CUDA without native bf16 -> fp16 autocast + GradScaler"))
+    if native and hidden_size is not None and hidden_size >= CPU_BF16_MIN_HIDDEN:
+        return AmpSettings(torch.bfloat16, False, f"auto: CPU with native bf16, hidden size {hidden_size} >= "
+                                                  f"{CPU_BF16_MIN_HIDDEN} -> bf16 autocast")
+    why = ("autocast coverage varies; opt in with amp='bf16'" if device.type != "cpu" else
+           "no native bf16: emulated bf16 is slower" if not native else
+           f"model size not given; bf16 pays from hidden size {CPU_BF16_MIN_HIDDEN}" if hidden_size is None else
+           f"hidden size {hidden_size} < {CPU_BF16_MIN_HIDDEN}: bf16 measured slower than fp32 at that size")
     return AmpSettings(None, False, f"auto: {device.type} -> fp32 ({why})")
 
 
@@ -269,7 +278,8 @@ class _Run:
                  meter: Any, is_main_process: bool, callbacks: Sequence[Callable] = ()) -> None:
         self.model, self.cfg, self.device, self.controller = model.to(device).train(), cfg, device, controller
         self.callbacks = list(callbacks)  # cb(step, row) after each step; cb.checkpoint_extra(row) into each last.pt
-        self.amp, self.stream, self.is_main_process = resolve_amp(cfg.amp, device), DataStream(data), is_main_process
+        self.amp = resolve_amp(cfg.amp, device, getattr(getattr(model, "config", None), "hidden_size", None))
+        self.stream, self.is_main_process = DataStream(data), is_main_process
         self.optimizer, self.scaler = build_optimizer(model, cfg, device), make_scaler(self.amp, device)
         self.ckpt_path = Path(cfg.ckpt_dir) / "last.pt" if cfg.ckpt_dir else None
         self.meter = meter if meter is not None else getattr(controller, "meter", None)  # a controller's: its budget

@@ -305,8 +305,8 @@ def check_05_rounding_error(fn: Callable) -> None:
         for dtype in (torch.bfloat16, torch.float16):
             got = fn(x, dtype)
             assert _close(float(got), _rounding_error(x, dtype), 1e-4), f"{dtype}: your error is not right."
-    return verdict("05.1", "cast to dtype and back to float32, then max |rounded - x| / |x|; bf16 keeps 8 bits of "
-                   "mantissa, fp16 11.", test, fn)
+    return verdict("05.1", "cast to dtype and back to float32, then max |rounded - x| / |x|. To read off the bits: "
+                   "rounding to nearest with p significant bits errs by at most 2^-p of the value.", test, fn)
 
 
 def _lost_fraction(w: torch.Tensor, update: torch.Tensor, dtype: torch.dtype) -> float:

@@ -111,7 +111,7 @@ LIGHT_CASES = {  # check, placeholder, wrong answer, right answer, text the plac
              lambda counts, norm: ([1 / (len(counts) * n) for n in counts] if norm == "naive"
                                    else [1 / sum(counts)] * len(counts)), "len(counts)"),
     "05.1": (ec.check_05_rounding_error, _raises_not_implemented, lambda x, dt: 2.0 ** -8,
-             lambda x, dt: float(((x.to(dt).float() - x).abs() / x.abs()).max()), "2^-9"),
+             lambda x, dt: float(((x.to(dt).float() - x).abs() / x.abs()).max()), "2^-8"),
     "05.3": (ec.check_05_t4, None, ("bf16", False), ("fp16", True), "fp16"),
     "08.2": (ec.check_08_masked_loss, _raises_not_implemented, lambda logits, labels: logits.mean(),
              lambda logits, labels: torch.nn.functional.cross_entropy(

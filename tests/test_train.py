@@ -13,6 +13,7 @@ from minimind_lib.data import pad_collate, trained_tokens
 from minimind_lib.model import MiniMindConfig, MiniMindForCausalLM, lm_loss
 from minimind_lib.train import (AmpSettings, TrainConfig, accumulate_step, build_optimizer, evaluate, fit,
                                 forward_logits, lr_at, optimizer_step, resolve_amp, step_token_count)
+from minimind_lib.train import CPU_BF16_MIN_HIDDEN
 
 torch.set_num_threads(1)  # tiny matmuls: one thread is fastest, and the CI machine's 2 cores are shared
 VOCAB = 256  # a small vocabulary keeps the LM head (the biggest matmul of the smoke model) cheap
@@ -104,14 +105,33 @@ def test_resolve_amp(monkeypatch):
     assert "slower" in resolve_amp("auto", "cpu").reason
     assert resolve_amp("auto", "cuda").dtype == torch.float16 and resolve_amp("auto", "cuda").use_scaler
     assert resolve_amp("auto", "mps").dtype is None
+    assert resolve_amp("auto", "cpu", hidden_size=4096).dtype is None  # no native bf16: fp32 at any size
     monkeypatch.setattr(device_mod, "bf16_native", lambda d: True)
-    assert resolve_amp("auto", "cpu").dtype == torch.bfloat16
+    # a CPU with native bf16: bf16 from CPU_BF16_MIN_HIDDEN (notebook 05's measured crossover), fp32 below or unknown
+    assert resolve_amp("auto", "cpu", hidden_size=CPU_BF16_MIN_HIDDEN).dtype == torch.bfloat16
+    assert resolve_amp("auto", "cpu", hidden_size=512).dtype == torch.bfloat16
+    below = resolve_amp("auto", "cpu", hidden_size=64)  # the smoke model
+    assert below.dtype is None and not below.use_scaler and "hidden size 64 < 256" in below.reason
+    assert resolve_amp("auto", "cpu").dtype is None and "model size not given" in resolve_amp("auto", "cpu").reason
+    assert resolve_amp("auto", "cuda", hidden_size=64).dtype == torch.bfloat16  # CUDA: bf16 whatever the size
     a = resolve_amp("auto", "cuda")
     assert a.dtype == torch.bfloat16 and not a.use_scaler and a.name == "bf16"
     assert resolve_amp("off", "cuda").name == "fp32"
     assert resolve_amp("fp16", "cpu").use_scaler
     with pytest.raises(ValueError, match="amp='int8'"):
         resolve_amp("int8", "cpu")
+
+
+def test_fit_auto_amp_follows_the_model_size_on_a_bf16_cpu(monkeypatch):
+    monkeypatch.setattr(device_mod, "bf16_native", lambda d: True)
+    x = torch.randint(0, 64, (2, 8))
+    for hidden, want in ((64, "fp32"), (CPU_BF16_MIN_HIDDEN, "bf16")):
+        torch.manual_seed(0)
+        model = MiniMindForCausalLM(MiniMindConfig(hidden_size=hidden, num_hidden_layers=1, num_attention_heads=4,
+                                                   num_key_value_heads=1, vocab_size=64))
+        df = fit(model, [{"input_ids": x, "labels": x}], TrainConfig(lr=1e-3, max_steps=1, accum_steps=1,
+                                                                     amp="auto", progress=False), device="cpu")
+        assert df.attrs["amp"] == want, (hidden, df.attrs["amp_reason"])
 
 
 def test_resolve_amp_auto_on_mps_is_fp32_whatever_the_bf16_support(monkeypatch):
