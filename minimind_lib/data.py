@@ -23,7 +23,6 @@ IGNORE_INDEX = -100  # the label of a position whose next token is not trained (
 LONG_DOCS = ("truncate", "chunk")  # what a pretrain dataset does with a document longer than seq_len
 # A run's pretraining document longer than seq_len is split into rows (no text lost); a conversation is truncated.
 LONG_DOCS_BY_KIND = {"pretrain": "chunk", "sft": "truncate"}
-SMALL_FILE_BYTES = 32 * 2**20  # below this, tokenize in this process (starting workers costs more than it saves)
 
 
 def make_sample(ids: np.ndarray, mask: np.ndarray | None, seq_len: int) -> dict[str, torch.Tensor]:
@@ -241,8 +240,7 @@ def memmap_dataset(path: Path, tok: Any, kind: str, seq_len: int, cache_dir: Pat
     The cache's name is the file's stem plus a hash of its absolute path, so two data.jsonl never collide."""
     digest = hashlib.sha1(str(Path(path).resolve()).encode()).hexdigest()[:8]
     prefix = Path(cache_dir) / f"{Path(path).stem}.{kind}.{digest}"
-    workers = 0 if Path(path).stat().st_size < SMALL_FILE_BYTES else None
-    info = tokenize_to_memmap(path, tok, prefix, kind=kind, num_workers=workers, max_samples=max_samples,
+    info = tokenize_to_memmap(path, tok, prefix, kind=kind, max_samples=max_samples,
                               progress=progress, on_error=on_error)
     cls = PretrainDataset if kind == "pretrain" else SFTDataset
     ds = cls(str(prefix), tok, seq_len, vocab_size=tok.vocab_size, long_docs=LONG_DOCS_BY_KIND[kind])
