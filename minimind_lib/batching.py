@@ -109,10 +109,16 @@ class PackStats:
         return {**self.__dict__, "padding_fraction": self.padding_fraction}
 
 
-def stream_segments(docs: Sequence[tuple], seq_len: int, stats: PackStats) -> list[list[tuple]]:
-    """Rows of segments (input_ids, labels): the documents in order, cut every seq_len tokens (and go on next row)."""
+def stream_segments(docs: Sequence[tuple], seq_len: int, stats: PackStats, whole: bool = False) -> list[list[tuple]]:
+    """Rows of segments (input_ids, labels): the documents in order, cut every seq_len tokens (and go on next row);
+    `whole` (SFT): a document that does not fit the rest of a row starts the next one, never cut."""
     rows, row, room = [], [], seq_len
-    for ids, labels in docs:
+    for i, (ids, labels) in enumerate(docs):
+        if whole and ids.numel() > room:
+            if ids.numel() > seq_len:
+                raise ValueError(f"sample {i}: {ids.numel()} tokens do not fit a row of {seq_len} whole")
+            rows.append(row)
+            row, room = [], seq_len
         stats.n_split += int(ids.numel() > room)  # it does not fit the rest of this row
         while ids.numel():
             take = min(room, ids.numel())
@@ -143,8 +149,9 @@ def rows_from_segments(rows: list[list[tuple]], seq_len: int, pad_id: int, stats
     return out
 
 
-def pack_sequences(samples: Sequence[Any], seq_len: int, *, pad_id: int = 0) -> tuple[dict, PackStats]:
-    """Documents in rows of exactly `seq_len`: input_ids, labels, position_ids, doc_ids, each (B, seq_len)."""
+def pack_sequences(samples: Sequence[Any], seq_len: int, *, pad_id: int = 0,
+                   whole: bool = False) -> tuple[dict, PackStats]:
+    """Documents in rows of `seq_len`: input_ids, labels, position_ids, doc_ids, each (B, seq_len); `whole`: never cut."""
     if int(seq_len) < 2:
         raise ValueError(f"seq_len must be >= 2, got {seq_len}")
     docs = [(torch.as_tensor(s["input_ids"]), torch.as_tensor(s.get("labels", s["input_ids"]))) for s in samples]
@@ -153,7 +160,7 @@ def pack_sequences(samples: Sequence[Any], seq_len: int, *, pad_id: int = 0) -> 
             raise ValueError(f"sample {i}: packing needs 1-D input_ids and labels of one shape, got "
                              f"{tuple(ids.shape)} / {tuple(labels.shape)}")
     stats = PackStats(n_docs=len(samples))  # stream_segments and rows_from_segments add their counts
-    return rows_from_segments(stream_segments(docs, int(seq_len), stats), int(seq_len), pad_id, stats), stats
+    return rows_from_segments(stream_segments(docs, int(seq_len), stats, whole), int(seq_len), pad_id, stats), stats
 
 
 def block_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:

@@ -359,11 +359,13 @@ def memmap_is_fresh(out_prefix: str | os.PathLike, jsonl_path: str | os.PathLike
     return True, "up to date"
 
 
-def default_num_workers() -> int:
-    """Worker processes for tokenize_to_memmap: one per core, at most 8 (notebook 02 measures them)."""
-    # processes also parallelize the Python side (chat template, SFT mask), which Rust threads cannot
-    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, min(n, 8))
+def default_num_workers(n_bytes: int, cores: int | None = None) -> int:
+    """Tokenizer processes for `n_bytes` of jsonl: 0 (here) unless 4+ cores and 32+ MiB, then one per core, at most 8.
+
+    Notebook 02 measured processes no faster on 2 cores and a few MB (each starts and unpickles the tokenizer); they
+    can pay only where a large file's Python side (chat template, SFT mask) is spread over spare cores."""
+    n = cores or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
+    return min(n, 8) if n >= 4 and n_bytes >= 32 * 2**20 else 0
 
 
 def tokenize_to_memmap(jsonl_path: str | os.PathLike, tokenizer, out_prefix: str | os.PathLike,
@@ -380,7 +382,7 @@ def tokenize_to_memmap(jsonl_path: str | os.PathLike, tokenizer, out_prefix: str
         raise ValueError(f"tokenizer vocab_size={tokenizer.vocab_size} does not fit uint16 token files "
                          f"(max {MAX_UINT16_VOCAB}); this memmap format is for small vocabularies like MiniMind's 6400")
     prefix, t0 = str(out_prefix), time.perf_counter()
-    num_workers = default_num_workers() if num_workers is None else int(num_workers)
+    num_workers = default_num_workers(os.path.getsize(jsonl_path)) if num_workers is None else int(num_workers)
     reused = not force and memmap_is_fresh(prefix, jsonl_path, tokenizer, kind, max_samples, on_error, augment_seed)[0]
     if not reused:
         key = _cache_key(jsonl_path, tokenizer, kind, max_samples, on_error, augment_seed)
@@ -401,6 +403,7 @@ def tokenize_to_memmap(jsonl_path: str | os.PathLike, tokenizer, out_prefix: str
                     fmask.write(mask.astype(np.uint8).tobytes())
                 offsets.append(offsets[-1][-1] + np.cumsum(lengths))
                 bar.update(reader.n_bytes - bar.n)
+            bar.total = bar.n  # max_samples can stop before the end of the file: the bar still ends at 100%
         offsets = np.concatenate(offsets)
         with atomic_open(prefix + ".idx.npy") as fidx:
             np.save(fidx, offsets)

@@ -21,7 +21,6 @@ from .tokenizer import check_vocab
 IGNORE_INDEX = -100  # the label of a position whose next token is not trained (PyTorch CE ignore_index)
 LONG_DOCS = ("truncate", "chunk")  # what a pretrain dataset does with a document longer than seq_len
 LONG_DOCS_BY_KIND = {"pretrain": "chunk", "sft": "truncate"}  # a run's: documents split into rows, conversations cut
-SMALL_FILE_BYTES = 32 * 2**20  # below this, tokenize in this process (starting workers costs more than it saves)
 
 
 def make_sample(ids: np.ndarray, mask: np.ndarray | None, seq_len: int) -> dict[str, torch.Tensor]:
@@ -239,8 +238,7 @@ def memmap_dataset(path: Path, tok: Any, kind: str, seq_len: int, cache_dir: Pat
     """(dataset, MemmapInfo): `path` tokenized once into the memmap cache (reused while file and tokenizer agree)."""
     digest = hashlib.sha1(str(Path(path).resolve()).encode()).hexdigest()[:8]
     prefix = Path(cache_dir) / f"{Path(path).stem}.{kind}.{digest}"  # a hash of the path: two data.jsonl never collide
-    workers = 0 if Path(path).stat().st_size < SMALL_FILE_BYTES else None
-    info = tokenize_to_memmap(path, tok, prefix, kind=kind, num_workers=workers, max_samples=max_samples,
+    info = tokenize_to_memmap(path, tok, prefix, kind=kind, max_samples=max_samples,
                               progress=progress, on_error=on_error)
     cls = PretrainDataset if kind == "pretrain" else SFTDataset
     ds = cls(str(prefix), tok, seq_len, vocab_size=tok.vocab_size, long_docs=LONG_DOCS_BY_KIND[kind])

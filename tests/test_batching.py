@@ -659,3 +659,12 @@ def test_fit_trains_token_budget_steps_through_the_controller_with_injected_oom(
     assert sorted(set(trained)) == expected and ctl.stats["samples_seen"] == len(expected)
     np.testing.assert_allclose(df["loss"], plain["loss"], rtol=1e-5)
     assert (df["max_tokens"].iloc[-1] <= 60) and list(df["accum_steps"])[-1] > accum
+
+
+def test_whole_packing_never_cuts_a_conversation():
+    docs = [{"input_ids": torch.arange(n), "labels": torch.arange(n)} for n in (5, 4, 3, 8)]
+    rows, stats = pack_sequences(docs, 8, whole=True)
+    assert stats.n_split == 0 and stats.n_tokens == 20 and stats.n_rows == 3
+    assert rows["doc_ids"].tolist() == [[0] * 5 + [-1] * 3, [0] * 4 + [1] * 3 + [-1], [0] * 8]
+    with pytest.raises(ValueError, match="sample 0: 9 tokens do not fit a row of 8 whole"):
+        pack_sequences([{"input_ids": torch.arange(9)}], 8, whole=True)

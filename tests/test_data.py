@@ -452,3 +452,11 @@ def test_memmap_dataset_seq_len_is_independent(tmp_path, pre_path, tok):
     mm = D.MemmapDataset(info.prefix, 8)
     ds = D.PretrainDataset(mm, tok, 16)
     assert mm.lengths.max() == 8 and ds.lengths.max() == 16 and len(ds[0]["input_ids"]) == 16
+
+
+def test_default_tokenizer_workers_follow_the_measured_rule():
+    # notebook 02: processes were no faster on 2 cores and a few MB, so only 4+ cores and a 32+ MiB file get them
+    big, small = 32 * 2**20, 32 * 2**20 - 1
+    assert [C.default_num_workers(big, cores=c) for c in (1, 2, 3, 4, 8, 64)] == [0, 0, 0, 4, 8, 8]
+    assert C.default_num_workers(small, cores=64) == 0 and C.default_num_workers(7_000_000) == 0
+
