@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -127,6 +128,45 @@ def test_the_handout_runs_on_its_own(tmp_path: Path):
 def test_handout_of_an_empty_folder_is_an_error(tmp_path: Path):
     with pytest.raises(SystemExit, match="no notebooks in"):
         handout.make_handout(tmp_path / "out", tmp_path)
+
+
+ANSWERS = REPO / "docs" / "answers.md"  # the teacher's notes
+
+
+def exercise_ids() -> set[str]:
+    """"NN.K" for every "### Exercise K" heading of chapter NN (notebooks/NN_*.ipynb): the ids the checks print."""
+    ids = set()
+    for path in sorted((REPO / "notebooks").glob("[0-9][0-9]_*.ipynb")):
+        for cell in nbformat.read(path, as_version=4).cells:
+            if cell.cell_type == "markdown":
+                ids |= {f"{path.name[:2]}.{k}" for k in re.findall(r"^### Exercise (\d+)\b", cell.source, re.M)}
+    return ids
+
+
+def test_every_exercise_has_a_teachers_note():
+    """docs/answers.md has a heading "### NN.K <title>" for every exercise K of chapter NN, and none for an exercise
+    that no longer exists; each note holds an expected answer and the usual wrong answers."""
+    notes = ANSWERS.read_text(encoding="utf-8")
+    wanted = exercise_ids()
+    assert len(wanted) >= 30, sorted(wanted)  # every chapter has exercises: a broken heading pattern finds none
+    sections = re.split(r"^### ", notes, flags=re.M)[1:]
+    noted = {m.group(1): body for body in sections if (m := re.match(r"(\d\d\.\d+) ", body))}
+    assert sorted(wanted - set(noted)) == [], "exercises without a teacher's note"
+    assert sorted(set(noted) - wanted) == [], "notes for exercises that no longer exist"
+    for ex, body in noted.items():
+        assert "**Expected:**" in body and "**Wrong:**" in body, ex
+
+
+def test_the_handout_leaves_the_teachers_notes_out(tmp_path: Path):
+    """`make handout` gives the learners notebooks, data and solutions, never docs/ (docs/answers.md)."""
+    assert ANSWERS.is_file()
+    out = tmp_path / "handout"
+    handout.make_handout(out)
+    files = [p for p in out.rglob("*") if p.is_file()]
+    assert files and not (out / "docs").exists()
+    assert not [p for p in files if p.name == "answers.md"]
+    title = ANSWERS.read_text(encoding="utf-8").splitlines()[0]
+    assert not [p for p in files if p.suffix in (".md", ".py", ".ipynb") and title in p.read_text(encoding="utf-8")]
 
 
 import course_times  # noqa: E402
