@@ -360,10 +360,8 @@ def memmap_is_fresh(out_prefix: str | os.PathLike, jsonl_path: str | os.PathLike
 
 
 def default_num_workers(n_bytes: int, cores: int | None = None) -> int:
-    """Tokenizer processes for `n_bytes` of jsonl: 0 (here) unless 4+ cores and 32+ MiB, then one per core, at most 8.
-
-    Notebook 02 measured processes no faster on 2 cores and a few MB (each starts and unpickles the tokenizer); they
-    can pay only where a large file's Python side (chat template, SFT mask) is spread over spare cores."""
+    """Tokenizer processes for `n_bytes` of jsonl: 0 (here) unless 4+ cores and 32+ MiB, then one per core, at most 8
+    (notebook 02: on 2 cores and a few MB they were no faster; each starts and unpickles the tokenizer)."""
     n = cores or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
     return min(n, 8) if n >= 4 and n_bytes >= 32 * 2**20 else 0
 

@@ -1,7 +1,7 @@
 """Sampling text from a MiniMind model (notebook 03_model) and chatting with it (notebook 08_sft).
 
 Greedy, temperature, top-k and top-p sampling with a KV cache; `chat_reply` answers a conversation in MiniMind's
-chat template. The CLI's chat command, notebook 08 and the chat box (chat_widget) all call these functions.
+chat template. The CLI's chat command, notebook 08 and the chat box (notebooks/chat_box.py) all call these functions.
 """
 
 from __future__ import annotations

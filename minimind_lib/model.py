@@ -1,9 +1,7 @@
 """The MiniMind language model, built piece by piece in notebook 03_model: RMSNorm, RoPE, GQA, SwiGLU, checkpoints.
 
-Read it top to bottom, like nanoGPT. Architecture and parameter names are exactly MiniMind2's (see DESIGN.md) and,
-with qk_norm (preset "minimind-3") and use_moe ("minimind-3-moe"), MiniMind-3's: a MiniMind ``.pth`` state dict
-loads with ``strict=True``.
-
+Read it top to bottom, like nanoGPT. Architecture and parameter names are exactly MiniMind2's and, with qk_norm
+("minimind-3") and use_moe ("minimind-3-moe"), MiniMind-3's: a MiniMind ``.pth`` loads with ``strict=True``.
     x -> embed_tokens -> [ x + attn(norm(x)); x + mlp(norm(x)) ] * L -> norm -> lm_head (tied to embed_tokens)"""
 
 from __future__ import annotations

@@ -1,7 +1,9 @@
-"""Tests of minimind_lib.pipeline (the runs behind notebooks 07/08 and the CLI) and minimind_lib.chat_widget."""
+"""Tests of minimind_lib.pipeline (the runs behind notebooks 07/08 and the CLI) and the chat box (notebooks/chat_box.py)."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 import json
 import math
 import shutil
@@ -10,8 +12,9 @@ import pytest
 import torch
 
 from minimind_lib import checkpoint, pipeline
-from minimind_lib.chat_widget import ChatBox
 from minimind_lib.generate import chat, chat_prompt_ids, chat_reply
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "notebooks"))  # course material
+from chat_box import ChatBox  # noqa: E402
 
 torch.set_num_threads(1)
 

@@ -5,13 +5,16 @@ message, re-seeded per message.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 import pytest
 import torch
 
-from minimind_lib.chat_widget import ChatBox
 from minimind_lib.generate import TextStream, chat, chat_prompt_ids, generate, generate_ids
 from minimind_lib.model import MiniMindConfig, MiniMindForCausalLM
 from minimind_lib.tokenizer import load_tokenizer
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "notebooks"))  # course material
+from chat_box import ChatBox  # noqa: E402
 
 SPLIT_TEXT = "Straße café 😀 鼹鼠 龘"  # characters that the course tokenizer splits across tokens
 

@@ -1,8 +1,8 @@
 """Output-stripped copies of the course for a teacher to hand out: `python tools/handout.py [--out build/handout]`.
 
 Writes OUT/notebooks/ (every notebooks/*.ipynb without outputs, execution counts or cell timings, plus what the
-notebooks read beside them: exercise_checks.py, ddp_demo.py and figures/), OUT/data/ (the bundled data and its
-licences) and, when notebooks/solutions/ exists, OUT/solutions/ (the worked solutions, stripped the same way, with
+notebooks read beside them: exercise_checks.py, chat_box.py, ddp_demo.py and figures/), OUT/data/ (the bundled data
+and its licences) and, when notebooks/solutions/ exists, OUT/solutions/ (the worked solutions, stripped the same way, with
 their own copy of exercise_checks.py, kept apart so a teacher decides when to hand them out).
 The handout runs on its own: beside a `make lab` checkout, or with the course's package installed by pip, where
 minimind_lib finds data/ (and writes runs/) in the folder above the notebooks (minimind_lib.paths.course_dir).
@@ -18,7 +18,7 @@ import nbformat
 
 from minimind_lib.paths import REPO_DIR
 
-BESIDE_NOTEBOOKS = ("exercise_checks.py", "ddp_demo.py", "figures")  # read by the notebooks from their own folder
+BESIDE_NOTEBOOKS = ("exercise_checks.py", "chat_box.py", "ddp_demo.py", "figures")  # read from their own folder
 BESIDE_SOLUTIONS = ("exercise_checks.py",)
 DATA_FILES = ("pretrain.jsonl", "pretrain_val.jsonl", "sft.jsonl", "pretrain_t2t_mini.jsonl", "sft_t2t_mini.jsonl",
               "LICENSES.md", "README.md")

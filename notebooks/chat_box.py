@@ -1,7 +1,9 @@
 """A chat box for notebook 08_sft: a text field, temperature and top-p sliders, and an answer that streams in.
 
-A thin ipywidgets view on `generate.chat`, which does the work (the CLI's chat command and the notebook's checks
-call it directly; nbval renders no widgets). `ChatBox.ask` works the same with or without the widget shown.
+A thin ipywidgets view on `minimind_lib.generate.chat`, which does the work (the CLI's chat command and the
+notebook's checks call it directly; nbval renders no widgets). `ChatBox.ask` works the same with or without the
+widget shown. Course material beside the notebooks, like exercise_checks.py: user interface, not a mechanism the
+course builds, so it is not part of minimind_lib.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ import html
 
 import torch
 
-from .generate import chat
+from minimind_lib.generate import chat
 
 
 class ChatBox:
