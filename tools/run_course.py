@@ -46,6 +46,24 @@ def extract_figures(nb, stem: str, figure_dir: Path) -> list[Path]:
     return written
 
 
+def settle_streams(nb) -> None:
+    """Merge each cell's consecutive stream outputs and keep, on every line, only what follows its last carriage
+    return: a progress bar is saved as its last frame (100%), as a terminal shows it, not as every frame it drew."""
+    for cell in nb.cells:
+        merged = []
+        for output in cell.get("outputs", []):
+            if merged and output.output_type == "stream" and merged[-1].output_type == "stream" \
+                    and merged[-1].name == output.name:
+                merged[-1].text += output.text
+            else:
+                merged.append(output)
+        for output in merged:
+            if output.output_type == "stream":
+                output.text = "\n".join(line.rsplit("\r", 1)[-1] for line in output.text.split("\n"))
+        if cell.cell_type == "code":
+            cell.outputs = merged
+
+
 def choose_kernel(requested: str | None) -> str:
     """The kernel to run: `requested`, else 'minimind' when registered, else 'python3' (this Python); printed."""
     from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
@@ -83,6 +101,7 @@ def run_course(out: Path, inplace: bool, only: list[str] | None, timeout: int, k
         except Exception as exc:  # keep going so one broken notebook does not hide the others
             error = f"{type(exc).__name__}: {str(exc)[-2000:]}"
         seconds = round(time.perf_counter() - start, 1)
+        settle_streams(nb)
         target = path if inplace else out / "notebooks" / path.name
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.with_suffix(".ipynb.tmp")
