@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -325,7 +326,7 @@ def record_waits(waits: dict[str, float], profile: str) -> Path:
     stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     records = [{"notebook": name, "seconds": round(s, 1), "n_cells_timed": 0, "executed_utc": stamp, "error": None,
                 "cells": [], "load_average": round(os.getloadavg()[0], 2)} for name, s in waits.items()]
-    device = describe().replace(f", profile={profile}", "")  # e.g. "cpu (AMD EPYC), torch 2.13.0"
+    device = re.sub(r", profile=\w+", "", describe())  # e.g. "cpu (AMD EPYC), torch 2.13.0"
     return update_timings(f"browser-{profile}", device, records)
 
 
