@@ -86,10 +86,15 @@ def test_strict_load_both_ways(tmp_path):
 
 
 # ------------------------------------------------------------------ a reference forward, from the spec
-def reference_logits(sd: dict, c: MiniMindConfig, ids: torch.Tensor) -> torch.Tensor:
+def dense_ffn(h: torch.Tensor, p) -> torch.Tensor:
+    """SwiGLU of the layer whose weights p(name) gives."""
+    return (F.silu(h @ p("mlp.gate_proj").T) * (h @ p("mlp.up_proj").T)) @ p("mlp.down_proj").T
+
+
+def reference_logits(sd: dict, c: MiniMindConfig, ids: torch.Tensor, ffn=dense_ffn) -> torch.Tensor:
     """MiniMind-3's forward written from its description, with other means than the library: RoPE by complex
     multiplication of the pairs (x[i], x[i + d/2]), GQA by repeat_interleave, attention by an explicit masked
-    softmax."""
+    softmax. ffn(h, p) is the feed-forward of the normalised (b, t, C) input (tests/test_moe.py passes MoE's)."""
     def rms(x, w, eps):
         return w * (x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps))
 
@@ -117,7 +122,7 @@ def reference_logits(sd: dict, c: MiniMindConfig, ids: torch.Tensor) -> torch.Te
         y = torch.einsum("bhqk,bkhd->bqhd", att, v).reshape(b, t, hq * d)
         x = x + y @ p("self_attn.o_proj").T
         h = rms(x, p("post_attention_layernorm"), c.rms_norm_eps)
-        x = x + (F.silu(h @ p("mlp.gate_proj").T) * (h @ p("mlp.up_proj").T)) @ p("mlp.down_proj").T
+        x = x + ffn(h, p)
     return rms(x, sd["model.norm.weight"], c.rms_norm_eps) @ sd["model.embed_tokens.weight"].T
 
 

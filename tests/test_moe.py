@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from test_minimind3 import reference_logits
 
 from minimind_lib.model import (MiniMindConfig, MiniMindForCausalLM, MoEFeedForward, count_parameters,
                                 load_checkpoint, save_checkpoint)
@@ -102,34 +103,15 @@ def test_strict_load_both_ways(tmp_path):
 
 # ------------------------------------------------------------------ a reference, written from the spec
 def reference_moe(sd: dict, c: MiniMindConfig, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logits, aux) of MiniMind-3-MoE, token by token: softmax router scores, the k best experts (sorted), their
-    scores renormalised (+1e-20) when norm_topk_prob, output sum_e w_e * SwiGLU_e(h); per layer aux = coef * E *
-    sum_e (picks of e / tokens) * (mean score of e over every position), summed over layers."""
-    def rms(x, w, eps):
-        return w * (x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps))
+    """(logits, aux) of MiniMind-3-MoE: the dense reference of tests/test_minimind3.py with, token by token,
+    softmax router scores, the k best experts (sorted), their scores renormalised (+1e-20) when norm_topk_prob, output
+    sum_e w_e * SwiGLU_e(h); per layer aux = coef * E * sum_e (picks of e / tokens) * (mean score of e over every
+    position), summed over layers."""
+    E, aux = c.num_experts, [torch.zeros(())]
 
-    b, t = ids.shape
-    d, hq, hk, E = c.head_dim, c.num_attention_heads, c.num_key_value_heads, c.num_experts
-    inv = c.rope_theta ** (-torch.arange(d // 2, dtype=torch.float64) * 2 / d)
-    rot = torch.polar(torch.ones(t, d // 2, dtype=torch.float64), torch.arange(t, dtype=torch.float64)[:, None] * inv)
-
-    def rope(x):  # pair i is (x[..., i], x[..., i + d/2]), rotated as a complex number
-        z = torch.complex(x[..., : d // 2].double(), x[..., d // 2:].double()) * rot[None, :, None, :]
-        return torch.cat([z.real, z.imag], dim=-1).float()
-
-    x, aux = sd["model.embed_tokens.weight"][ids], torch.zeros(())
-    causal = torch.ones(t, t, dtype=torch.bool).tril()
-    for i in range(c.num_hidden_layers):
-        p = lambda name: sd[f"model.layers.{i}.{name}.weight"]
-        h = rms(x, p("input_layernorm"), c.rms_norm_eps)
-        q = (h @ p("self_attn.q_proj").T).view(b, t, hq, d)
-        k = (h @ p("self_attn.k_proj").T).view(b, t, hk, d)
-        v = (h @ p("self_attn.v_proj").T).view(b, t, hk, d)
-        q, k = rope(rms(q, p("self_attn.q_norm"), c.rms_norm_eps)), rope(rms(k, p("self_attn.k_norm"), c.rms_norm_eps))
-        k, v = k.repeat_interleave(hq // hk, dim=2), v.repeat_interleave(hq // hk, dim=2)
-        att = (torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(d)).masked_fill(~causal, float("-inf")).softmax(-1)
-        x = x + torch.einsum("bhqk,bkhd->bqhd", att, v).reshape(b, t, hq * d) @ p("self_attn.o_proj").T
-        h = rms(x, p("post_attention_layernorm"), c.rms_norm_eps).reshape(b * t, -1)
+    def moe_ffn(h, p):
+        b, t, _ = h.shape
+        h = h.reshape(b * t, -1)
         scores = torch.exp(h @ p("mlp.gate").T)
         scores = scores / scores.sum(-1, keepdim=True)
         out, picks = torch.zeros_like(h), torch.zeros(E)
@@ -141,9 +123,10 @@ def reference_moe(sd: dict, c: MiniMindConfig, ids: torch.Tensor) -> tuple[torch
                 picks[e] += 1
                 ex = lambda name: p(f"mlp.experts.{e}.{name}")
                 out[n] += we * ((F.silu(h[n] @ ex("gate_proj").T) * (h[n] @ ex("up_proj").T)) @ ex("down_proj").T)
-        aux = aux + c.router_aux_loss_coef * E * (picks / (b * t) * scores.mean(0)).sum()
-        x = x + out.view(b, t, -1)
-    return rms(x, sd["model.norm.weight"], c.rms_norm_eps) @ sd["model.embed_tokens.weight"].T, aux
+        aux[0] = aux[0] + c.router_aux_loss_coef * E * (picks / (b * t) * scores.mean(0)).sum()
+        return out.view(b, t, -1)
+
+    return reference_logits(sd, c, ids, moe_ffn), aux[0]
 
 
 @pytest.mark.parametrize("k, norm", [(1, True), (2, True), (2, False), (3, False)])
