@@ -14,9 +14,10 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from .checkpoint import MODEL_FILE, RUN_FORMAT, RUN_VERSION, RunError, check_out_dir, load_run, start_run_dir
+from .checkpoint import (MODEL_FILE, RUN_FORMAT, RUN_VERSION, RunError, check_out_dir, check_state_dict, load_run,
+                         save_checkpoint, start_run_dir)
 from .corpus import tokenizer_fingerprint
-from .model import YARN_SCALING, MiniMindConfig, MiniMindForCausalLM, check_state_dict, save_checkpoint
+from .model import YARN_SCALING, MiniMindConfig, MiniMindForCausalLM
 from .tokenizer import check_vocab, load_tokenizer
 
 # model_type -> class: Llama's blocks are MiniMind2's, Qwen3's add q/k norm, Qwen3-MoE's (no shared expert) MoE
