@@ -77,6 +77,8 @@ def _add_train_args(p: argparse.ArgumentParser, stage: str) -> None:
                    help="a bad data line: stop with its file:line (default), or skip it (counted and logged)")
     p.add_argument("--stop-after", type=POSITIVE, default=None,
                    help="stop (with a checkpoint) after N steps of the --steps schedule; continue later with --resume")
+    p.add_argument("--allow-skipped-steps", action="store_true", help="exit 0 although steps were skipped (NaN/inf, "
+                   "no trained tokens) or no final evaluation ran; they are still reported")
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
@@ -87,6 +89,7 @@ def _train_kwargs(args: argparse.Namespace) -> dict:
                 val_batches=args.val_batches, eval_every=args.eval_every, max_samples=args.max_samples,
                 device=args.device, resume=args.resume, overwrite=args.overwrite, stop_after=args.stop_after,
                 seed=args.seed, progress=not args.no_progress, on_error=args.on_error,
+                allow_skipped_steps=args.allow_skipped_steps,
                 log=lambda msg: print(msg, file=sys.stderr, flush=True))
 
 
@@ -140,8 +143,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     """`export`: a run directory to the transformers format; `import-hf`: such a directory to a run directory."""
-    print(export_run(args.run_dir, args.to, args.dtype, args.overwrite) if args.command == "export"
-          else import_hf(args.hf_dir, args.out, args.overwrite))  # the directory written
+    print(export_run(args.run_dir, args.to, args.dtype, args.overwrite, args.allow_other_files)
+          if args.command == "export" else import_hf(args.hf_dir, args.out, args.overwrite, args.allow_other_files))
     return 0
 
 
@@ -173,8 +176,11 @@ def add_subcommands(subparsers) -> None:
     h = subparsers.add_parser("import-hf", help="a transformers Llama/Qwen3/Qwen3-MoE directory to a run directory")
     h.add_argument("hf_dir", help="a transformers model directory (config.json, model.safetensors, tokenizer files)")
     h.add_argument("--out", required=True, help="the run directory to write (config.json, model.pth, tokenizer/)")
+    e.add_argument("--overwrite", action="store_true", help="replace the files an earlier export wrote there")
+    h.add_argument("--overwrite", action="store_true", help="replace the run in --out (a run of this program only)")
     for parser in (e, h):
-        parser.add_argument("--overwrite", action="store_true", help="replace what the same command wrote there")
+        parser.add_argument("--allow-other-files", action="store_true",
+                            help="write into a directory that holds other files (they are kept, never replaced)")
         parser.set_defaults(func=cmd_export)
 
 
