@@ -53,10 +53,9 @@ def hf_config(mcfg: MiniMindConfig, tok, dtype: str = "fp32") -> dict:
                                   num_key_value_heads=mcfg.num_key_value_heads, head_dim=d, rope_parameters=rope,
                                   hidden_act="silu", tie_word_embeddings=True, bos_token_id=tok.bos_token_id,
                                   eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, dtype=DTYPES[dtype])
-    # 4.x reads theta at the top, YaRN from rope_scaling (5 reads that too, over rope_parameters: the same values)
-    v4 = {"rope_theta": mcfg.rope_theta, "rope_scaling": {k: v for k, v in rope.items() if k != "rope_theta"} if yarn
-          else None, **({"num_experts": mcfg.num_experts} if mcfg.use_moe else {})}
-    return {**config.to_diff_dict(), **v4}
+    # 4.x reads theta at the top, YaRN in rope_scaling (5 reads that too, before rope_parameters: the same values)
+    v4 = {"rope_theta": mcfg.rope_theta, "rope_scaling": {"rope_type": "yarn", **YARN_SCALING} if yarn else None}
+    return {**config.to_diff_dict(), **v4, **({"num_experts": mcfg.num_experts} if mcfg.use_moe else {})}  # 4.x's name
 
 
 def export_run(run_dir: str | Path, out_dir: str | Path, dtype: str = "fp32", overwrite: bool = False,
@@ -75,8 +74,7 @@ def export_run(run_dir: str | Path, out_dir: str | Path, dtype: str = "fp32", ov
         except (ValueError, TypeError, OSError) as e:
             raise RunError(f"{out / MANIFEST}: unreadable ({e}): which files export wrote there is unknown") from None
         if earlier and not overwrite:
-            raise RunError(f"{out} holds an earlier export ({', '.join(sorted(earlier))}); pass --overwrite to "
-                           f"replace those files, or choose another --to")
+            raise RunError(f"{out} holds an earlier export: pass --overwrite to replace its files, or another --to")
         check_other_files(out, earlier, allow_other_files, replaced=EXPORT_FILES)
         tmp = out / f"{TMP_PREFIX}export"  # the new files, whole before any old one goes (a killed export's: ours)
         shutil.rmtree(tmp, ignore_errors=True)
@@ -123,8 +121,7 @@ def import_hf(hf_dir: str | Path, run_dir: str | Path, overwrite: bool = False, 
         mcfg = minimind_config(json.loads(path.read_text(encoding="utf-8")))
     except (KeyError, ValueError, AttributeError, TypeError) as e:  # a missing field, bad JSON, a value out of range
         raise RunError(f"{path}: not a model config this course reads ({type(e).__name__}: {e})") from None
-    tok = load_tokenizer(hf_dir)
-    check_vocab(tok, mcfg.vocab_size)  # the message names the tokenizer's directory
+    check_vocab(tok := load_tokenizer(hf_dir), mcfg.vocab_size)  # the message names the tokenizer's directory
     try:
         state = {k: v.float() if v.is_floating_point() else v for k, v in load_file(hf_dir / WEIGHTS_FILE).items()}
     except (SafetensorError, OSError) as e:

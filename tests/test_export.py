@@ -205,7 +205,7 @@ def test_export_refuses_a_used_directory_and_overwrite_replaces_an_earlier_expor
         export_run(run, tmp_path / "used", overwrite=True)  # not an export: never replaced
     assert [p.name for p in (tmp_path / "used").iterdir()] == ["notes.txt"]
     out = export_run(run, tmp_path / "hf", dtype="bf16")
-    with pytest.raises(ValueError, match="holds an earlier export .*; pass --overwrite"):
+    with pytest.raises(ValueError, match="holds an earlier export: pass --overwrite"):
         export_run(run, out)
     export_run(run, out, dtype="fp32", overwrite=True)
     assert json.loads((out / "config.json").read_text())["dtype"] == "float32"

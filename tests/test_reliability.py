@@ -398,7 +398,7 @@ def test_a_run_that_never_trained_fails_and_skipped_steps_are_not_counted(tmp_pa
 def test_an_empty_out_is_refused(tmp_path, cache, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)  # where an empty --out would put a whole run
     code, _, err = run_cli(["pretrain", "--out", "", "--steps", 1, "--cache", cache] + TINY_CLI, capsys)
-    assert code == 2 and "an output directory is needed (--out DIR), got ''" in err
+    assert code == 2 and f"--out '' is the working directory ({tmp_path})" in err
     assert list(tmp_path.iterdir()) == []
 
 
