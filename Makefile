@@ -28,8 +28,10 @@ wheelhouse:
 		$(if $(PLATFORM),--platform $(PLATFORM) --python-version $(PYVER) --only-binary=:all:)
 	@echo "$(WHEELHOUSE)/: $$(ls $(WHEELHOUSE) | wc -l) files, $$(du -sh $(WHEELHOUSE) | cut -f1); make lab / make test now install from it alone"
 
+# The kernel's display name names this checkout, so JupyterLab shows which checkout's library a notebook runs (a
+# kernel registered from another checkout replaces this one: notebook 00 prints the library it imported, and warns).
 kernel: venv
-	$(PY) -m ipykernel install --user --name minimind --display-name "Python (minimind)"
+	$(PY) -m ipykernel install --user --name minimind --display-name "Python (minimind: $(CURDIR))"
 
 lab: kernel
 	$(VENV)/bin/jupyter lab --notebook-dir=notebooks $(if $(filter 0,$(shell id -u)),--allow-root)
@@ -56,9 +58,12 @@ browser-test: kernel
 	$(PY) -m pip install --quiet -r requirements-browser.txt
 	$(PY) tools/browser_test.py
 
-# Rewrite the minutes-per-notebook table in docs/teaching.md from docs/timings/*.json (never typed by hand).
+# Rewrite the minutes-per-notebook tables in docs/teaching.md from docs/timings/*.json and the notebooks' text, then
+# every number the docs quote from those tables or from the committed notebook outputs (never typed by hand): rerun
+# it after the notebooks are executed again.
 course-times: venv
 	$(PY) tools/course_times.py --write docs/teaching.md
+	$(PY) tools/doc_numbers.py docs/teaching.md docs/answers.md README.md
 
 # Before class: train the runs later notebooks reuse (07's pretraining, which 08 starts from), workshop profile.
 prepare-workshop: venv

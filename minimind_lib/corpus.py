@@ -367,11 +367,11 @@ def memmap_is_fresh(out_prefix: str | os.PathLike, jsonl_path: str | os.PathLike
     return True, "up to date"
 
 
-def default_num_workers(n_bytes: int, cores: int | None = None) -> int:
-    """Tokenizer processes for `n_bytes` of jsonl: 0 (here) unless 4+ cores and 32+ MiB, then one per core, at most 8
-    (notebook 02: on 2 cores and a few MB they were no faster; each starts and unpickles the tokenizer)."""
+def default_num_workers(n_bytes: int, kind: str = "pretrain", cores: int | None = None) -> int:
+    """Tokenizer processes (notebook 02): none for pretraining text (the Rust encoder already uses the cores); for SFT
+    (Python template and mask) one per core, at most 8, from 2 cores and 256 KiB, where processes fork (as measured)."""
     n = cores or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
-    return min(n, 8) if n >= 4 and n_bytes >= 32 * 2**20 else 0
+    return min(n, 8) if kind == "sft" and n >= 2 and n_bytes >= 2**18 and multiprocessing.get_start_method() == "fork" else 0
 
 
 def tokenize_to_memmap(jsonl_path: str | os.PathLike, tokenizer, out_prefix: str | os.PathLike,
@@ -388,7 +388,7 @@ def tokenize_to_memmap(jsonl_path: str | os.PathLike, tokenizer, out_prefix: str
         raise ValueError(f"tokenizer vocab_size={tokenizer.vocab_size} does not fit uint16 token files "
                          f"(max {MAX_UINT16_VOCAB}); this memmap format is for small vocabularies like MiniMind's 6400")
     prefix, t0 = str(out_prefix), time.perf_counter()
-    num_workers = default_num_workers(os.path.getsize(jsonl_path)) if num_workers is None else int(num_workers)
+    num_workers = default_num_workers(os.path.getsize(jsonl_path), kind) if num_workers is None else int(num_workers)
     reused = not force and memmap_is_fresh(prefix, jsonl_path, tokenizer, kind, max_samples, on_error, augment_seed)[0]
     if not reused:
         key = _cache_key(jsonl_path, tokenizer, kind, max_samples, on_error, augment_seed)
