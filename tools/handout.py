@@ -30,7 +30,8 @@ learner's JupyterLab loads its formgrader and assignment panels and logs "No nbg
 part the handout needs is ClearSolutions' 40-line loop, rewritten here with nbgrader's semantics (the delimiters
 matched anywhere in a line, the same stub at the BEGIN line's indentation, an error for a nested or unclosed region)
 and its metadata rule: a cell holding a region must be marked as an nbgrader solution cell, so a teacher who grades
-with nbgrader can run `nbgrader generate_assignment` on the chapters as they are.
+with nbgrader can run `nbgrader generate_assignment` on the chapters as they are. On notebook 03 nbgrader 0.9.6's
+ClearSolutions (enforce_metadata on) gives the same source in every cell as this stripper.
 """
 
 from __future__ import annotations
