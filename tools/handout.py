@@ -188,11 +188,8 @@ def plan_handout(notebook_dir: Path, data_dir: Path) -> dict[str, bytes | Path]:
 
 
 def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def read_manifest(out: Path) -> dict[str, str]:
