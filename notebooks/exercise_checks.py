@@ -38,7 +38,7 @@ HERE = Path(__file__).resolve().parent
 
 def solution_path(exercise: str) -> str:
     """Where the worked solution of an exercise such as "03.1" is, from the running notebook's folder (the working
-    directory): solutions/ beside the chapters in a checkout, ../solutions/ in the handout (beside notebooks/ and lab/)."""
+    directory): solutions/ beside the chapters in a checkout, ../solutions/ in the handout (beside notebooks/, lab/)."""
     name = f"{CHAPTERS[exercise[:2]]}.ipynb"
     found = [d / name for d in (HERE / "solutions", HERE.parent / "solutions", HERE) if (d / name).is_file()]
     return os.path.relpath(found[0]) if found else f"solutions/{name} (ask your teacher)"

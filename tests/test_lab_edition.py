@@ -81,7 +81,8 @@ def test_the_solutions_put_back_give_the_chapter(path):
 
 
 def test_the_stripper_follows_nbgraders_rules():
-    source = "def f(x):\n    \"\"\"Twice x.\"\"\"\n    ### BEGIN SOLUTION\n    y = 2 * x\n    return y\n    ### END SOLUTION\n"
+    source = ('def f(x):\n    """Twice x."""\n    ### BEGIN SOLUTION\n    y = 2 * x\n    return y\n'
+              '    ### END SOLUTION\n')
     cleared, regions = handout.clear_regions(source)
     assert cleared == "def f(x):\n    \"\"\"Twice x.\"\"\"\n    # YOUR CODE HERE\n    raise NotImplementedError()\n"
     assert [(r.name, r.begin, r.end) for r in regions] == [("f", 2, 5)]

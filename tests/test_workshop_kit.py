@@ -192,6 +192,19 @@ def test_files_an_earlier_handout_wrote_are_removed_only_if_unchanged(tmp_path: 
     assert "lab/ddp_demo.py" not in handout.read_manifest(out)  # and never the handout's again
 
 
+def test_a_manifest_naming_files_elsewhere_is_refused(tmp_path: Path):
+    src, data = small_course(tmp_path)
+    out = tmp_path / "handout"
+    handout.make_handout(out, src, data)
+    (tmp_path / "elsewhere.txt").write_text("not the handout's")
+    manifest = json.loads((out / handout.MANIFEST).read_text())
+    manifest["files"]["../elsewhere.txt"] = handout._sha256(tmp_path / "elsewhere.txt")
+    (out / handout.MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(handout.HandoutError, match="paths outside the folder"):
+        handout.make_handout(out, src, data)
+    assert (tmp_path / "elsewhere.txt").exists()
+
+
 def test_a_failed_handout_leaves_every_file_it_found(tmp_path: Path, monkeypatch):
     src, data = small_course(tmp_path)
     out = tmp_path / "handout"

@@ -200,6 +200,8 @@ def read_manifest(out: Path) -> dict[str, str]:
     try:
         files = json.loads(path.read_text(encoding="utf-8"))["files"]
         assert isinstance(files, dict) and all(isinstance(v, str) for v in files.values())
+        outside = [k for k in files if Path(k).is_absolute() or ".." in Path(k).parts]
+        assert not outside, f"paths outside the folder: {outside[:3]}"  # never remove a file elsewhere
     except (ValueError, KeyError, TypeError, AssertionError) as e:
         raise HandoutError(f"{path} is not a handout manifest ({type(e).__name__}: {e}); it lists the files an "
                            "earlier handout wrote: restore it, or move the folder away and run again") from None
@@ -235,7 +237,7 @@ def _blocked(out: Path, plan: dict, written: dict[str, str], force: bool | set[s
             why = "changed since the last handout"
         else:
             continue
-        if force is not True and rel not in force or target.is_dir():
+        if target.is_dir() or not (force is True or rel in force):
             problems.append(f"  {rel}: {why}")
     return problems
 
@@ -264,9 +266,9 @@ def make_handout(out: Path, notebook_dir: Path = REPO_DIR / "notebooks", data_di
             done.setdefault(rel.split("/")[0], []).append(rel)
         for rel in sorted(set(written) - set(plan)):  # an earlier handout's file that this one no longer has
             target = out / rel
-            if target.is_file() and _sha256(target) == written[rel]:
+            if target.is_file() and not target.is_symlink() and _sha256(target) == written[rel]:
                 target.unlink()
-            else:
+            elif target.exists():
                 print(f"kept {target}: changed since the handout wrote it", file=sys.stderr)
             del manifest[rel]
     finally:
