@@ -69,9 +69,11 @@ course-times: venv
 prepare-workshop: venv
 	MINIMIND_PROFILE=workshop $(PY) tools/prepare_workshop.py --profile workshop
 
-# Output-stripped notebooks (build/handout/notebooks/) and solutions (build/handout/solutions/) to hand out.
+# The course to hand out, output-stripped: build/handout/notebooks/ (the chapters), lab/ (the lab edition: every
+# solution region a stub to write), solutions/ (apart) and data/. Replaces only files it wrote and nobody changed
+# since; FORCE=1 replaces changed ones too, FORCE="lab/03_model.ipynb ..." just those.
 handout: venv
-	$(PY) tools/handout.py --out build/handout
+	$(PY) tools/handout.py --out build/handout $(if $(FORCE),--force $(filter-out 1,$(FORCE)))
 
 # Back to what a new learner gets: no runs, caches or builds, the committed notebooks. Asks first, unless YES=1.
 reset:
