@@ -28,8 +28,10 @@ wheelhouse:
 		$(if $(PLATFORM),--platform $(PLATFORM) --python-version $(PYVER) --only-binary=:all:)
 	@echo "$(WHEELHOUSE)/: $$(ls $(WHEELHOUSE) | wc -l) files, $$(du -sh $(WHEELHOUSE) | cut -f1); make lab / make test now install from it alone"
 
+# The kernel's display name names this checkout, so JupyterLab shows which checkout's library a notebook runs (a
+# kernel registered from another checkout replaces this one: notebook 00 prints the library it imported, and warns).
 kernel: venv
-	$(PY) -m ipykernel install --user --name minimind --display-name "Python (minimind)"
+	$(PY) -m ipykernel install --user --name minimind --display-name "Python (minimind: $(CURDIR))"
 
 lab: kernel
 	$(VENV)/bin/jupyter lab --notebook-dir=notebooks $(if $(filter 0,$(shell id -u)),--allow-root)
@@ -56,17 +58,22 @@ browser-test: kernel
 	$(PY) -m pip install --quiet -r requirements-browser.txt
 	$(PY) tools/browser_test.py
 
-# Rewrite the minutes-per-notebook table in docs/teaching.md from docs/timings/*.json (never typed by hand).
+# Rewrite the minutes-per-notebook tables in docs/teaching.md from docs/timings/*.json and the notebooks' text, then
+# every number the docs quote from those tables or from the committed notebook outputs (never typed by hand): rerun
+# it after the notebooks are executed again.
 course-times: venv
 	$(PY) tools/course_times.py --write docs/teaching.md
+	$(PY) tools/doc_numbers.py docs/teaching.md docs/answers.md README.md
 
 # Before class: train the runs later notebooks reuse (07's pretraining, which 08 starts from), workshop profile.
 prepare-workshop: venv
 	MINIMIND_PROFILE=workshop $(PY) tools/prepare_workshop.py --profile workshop
 
-# Output-stripped notebooks (build/handout/notebooks/) and solutions (build/handout/solutions/) to hand out.
+# The course to hand out, output-stripped: build/handout/notebooks/ (the chapters), lab/ (the lab edition: every
+# solution region a stub to write), solutions/ (apart) and data/. Replaces only files it wrote and nobody changed
+# since; FORCE=1 replaces changed ones too, FORCE="lab/03_model.ipynb ..." just those.
 handout: venv
-	$(PY) tools/handout.py --out build/handout
+	$(PY) tools/handout.py --out build/handout $(if $(FORCE),--force $(filter-out 1,$(FORCE)))
 
 # Back to what a new learner gets: no runs, caches or builds, the committed notebooks. Asks first, unless YES=1.
 reset:

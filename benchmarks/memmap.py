@@ -135,7 +135,7 @@ def main(argv: list[str]) -> dict:
     p.add_argument("--profile", default=None, help="smoke|cpu|gpu (default: MINIMIND_PROFILE / auto)")
     p.add_argument("--max-samples", type=int, default=None, help="cap on samples (default: the profile's)")
     p.add_argument("--seq-len", type=int, default=None, help="default: the profile's seq_len")
-    p.add_argument("--num-workers", type=int, default=None, help="tokenize_to_memmap workers (default: one per core)")
+    p.add_argument("--num-workers", type=int, default=None, help="tokenize_to_memmap workers (default: the library's rule)")
     p.add_argument("--random-reads", type=int, default=1000)
     p.add_argument("--hash-bytes", type=int, default=10**9, help="size of the file file_fingerprint hashes (1 GB)")
     a = p.parse_args(argv)

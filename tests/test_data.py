@@ -454,9 +454,23 @@ def test_memmap_dataset_seq_len_is_independent(tmp_path, pre_path, tok):
     assert mm.lengths.max() == 8 and ds.lengths.max() == 16 and len(ds[0]["input_ids"]) == 16
 
 
-def test_default_tokenizer_workers_follow_the_measured_rule():
-    # notebook 02: processes were no faster on 2 cores and a few MB, so only 4+ cores and a 32+ MiB file get them
-    big, small = 32 * 2**20, 32 * 2**20 - 1
-    assert [C.default_num_workers(big, cores=c) for c in (1, 2, 3, 4, 8, 64)] == [0, 0, 0, 4, 8, 8]
-    assert C.default_num_workers(small, cores=64) == 0 and C.default_num_workers(7_000_000) == 0
+def test_default_tokenizer_workers_follow_the_measured_rule(monkeypatch):
+    # notebook 02 (2 cores): 2 processes were faster for SFT (Python template and mask), slower for pretraining text
+    monkeypatch.setattr(C.multiprocessing, "get_start_method", lambda: "fork")
+    big, small = 2**18, 2**18 - 1
+    assert [C.default_num_workers(big, "sft", cores=c) for c in (1, 2, 3, 8, 64)] == [0, 2, 3, 8, 8]
+    assert [C.default_num_workers(2**30, "pretrain", cores=c) for c in (1, 2, 64)] == [0, 0, 0]
+    assert C.default_num_workers(small, "sft", cores=8) == 0  # a small file: start-up would outweigh the work
+    monkeypatch.setattr(C.multiprocessing, "get_start_method", lambda: "spawn")
+    assert C.default_num_workers(big, "sft", cores=8) == 0  # measured with fork only
 
+
+def test_a_call_without_num_workers_asks_the_default_for_its_kind(tmp_path, tok, monkeypatch):
+    seen = []
+    monkeypatch.setattr(C, "default_num_workers", lambda n_bytes, kind: seen.append((n_bytes, kind)) or 0)
+    src = tmp_path / "sft.jsonl"
+    src.write_text("".join(json.dumps({"conversations": [{"role": "user", "content": f"q{i}"},
+                                                         {"role": "assistant", "content": "a"}]}) + "\n"
+                           for i in range(5)))
+    info = C.tokenize_to_memmap(src, tok, tmp_path / "a", kind="sft", progress=False)
+    assert seen == [(src.stat().st_size, "sft")] and info.num_workers == 0

@@ -17,7 +17,7 @@ CHAPTERS = sorted(NB_DIR.glob("0*.ipynb"))
 CHECK_CALL = re.compile(r"\bec\.(check_(\d\d)_\w+)\(")
 HEADING = re.compile(r"^### Exercise (\d+): \S")
 NOT_ATTEMPTED_LINE = re.compile(r"^exercise (\d\d)\.(\d): not attempted yet\. Hint: .+ Worked solution: "
-                                r"notebooks/solutions/\d\d_\w+\.ipynb$")
+                                r"(\.\./|notebooks/)?solutions/\d\d_\w+\.ipynb$")  # from the notebook's folder
 
 
 def exercises(nb) -> list[tuple[int, list]]:
@@ -99,8 +99,25 @@ def _raises_not_implemented(*args, **kwargs):
     raise NotImplementedError
 
 
+@torch.no_grad()
+def _losses(model, micro_batches):
+    from minimind_lib.data import trained_tokens
+    from minimind_lib.model import lm_loss
+    return [(float(lm_loss(model(mb["input_ids"]).logits, mb["labels"], reduction="sum")), trained_tokens(mb["labels"]))
+            for mb in micro_batches]
+
+
+def _naive_loss(model, micro_batches):  # 04.1's answer: the mean of the micro-batches' mean token losses
+    return sum(s / n for s, n in _losses(model, micro_batches)) / len(micro_batches)
+
+
+def _token_weighted_loss(model, micro_batches):  # 04.3's answer: every trained token of the step weighs the same
+    losses = _losses(model, micro_batches)
+    return sum(s for s, _ in losses) / sum(n for _, n in losses)
+
+
 LIGHT_CASES = {  # check, placeholder, wrong answer, right answer, text the placeholder's output must not show
-    "00.2": (ec.check_00_memory_fraction, None, 0.5, 0.3, "0.3"),
+    "00.2": (ec.check_00_memory_fraction, _raises_not_implemented, lambda card: 0.3, lambda card: 24 / card, "24 /"),
     "02.3": (ec.check_02_memmap_bytes, _raises_not_implemented, lambda t, n: 2 * t + 8 * n,
              lambda t, n: 2 * t + 8 * (n + 1) + 128, "128 +"),
     "03.1": (ec.check_03_block_params, _raises_not_implemented,
@@ -118,7 +135,10 @@ LIGHT_CASES = {  # check, placeholder, wrong answer, right answer, text the plac
                  logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100),
              "[:, :-1]"),
     "09.1": (ec.check_09_rank_loss, _raises_not_implemented, lambda s, n, w: s / n, lambda s, n, w: s / n * w, "* w"),
-    "09.4": (ec.check_09_unmatched_broadcasts, None, 3, 2, "2"),
+    "09.4": (ec.check_09_unmatched_broadcasts, _raises_not_implemented, lambda f: f[0] - f[1],
+             lambda f: f[0] - min(f), "min("),
+    "04.1": (ec.check_04_naive_loss, _raises_not_implemented, _token_weighted_loss, _naive_loss, "mean of"),
+    "04.3": (ec.check_04_exact_loss, _raises_not_implemented, _naive_loss, _token_weighted_loss, "sum("),
 }
 
 
@@ -154,7 +174,7 @@ def test_an_answer_of_the_wrong_arity_or_type_gets_the_hint():
     with pytest.raises(ec.NotRightYet, match=r"02.3: not right yet: checking your answer raised TypeError: .* Hint: "):
         ec.check_02_memmap_bytes(lambda n_tokens: n_tokens)  # one argument where two are passed
     with pytest.raises(ec.NotRightYet, match="00.2: not right yet: .*float"):
-        ec.check_00_memory_fraction("0.3")
+        ec.check_00_memory_fraction(lambda card_gib: "0.3")
 
 
 def test_in_jupyter_a_wrong_answer_prints_no_traceback(tmp_path):
@@ -171,3 +191,37 @@ def test_in_jupyter_a_wrong_answer_prints_no_traceback(tmp_path):
     shown = "\n".join(error.traceback)
     assert error.ename == "NotRightYet" and "Hint:" in shown
     assert "exercise_checks.py" not in shown and "assert " not in shown, shown
+
+
+@pytest.mark.parametrize("profile", ["smoke", "workshop", "cpu", "gpu"])
+def test_04_tells_the_naive_and_the_exact_loss_apart_in_every_profile(profile, monkeypatch, capsys):
+    """The 04.1 and 04.3 checks draw a step of their own (the same whatever the profile), where the two losses differ
+    by more than 1: each rejects the other's answer. (In the smoke profile's section-4 step they differ by 1.7e-6.)"""
+    monkeypatch.setenv("MINIMIND_PROFILE", profile)
+    with pytest.raises(ec.NotRightYet, match="04.1: not right yet: that is the token-weighted loss"):
+        ec.check_04_naive_loss(_token_weighted_loss)
+    with pytest.raises(ec.NotRightYet, match="04.3: not right yet: that is the naive loss"):
+        ec.check_04_exact_loss(_naive_loss)
+    ec.check_04_naive_loss(_naive_loss)
+    ec.check_04_exact_loss(_token_weighted_loss)
+    assert capsys.readouterr().out.splitlines() == ["exercise 04.1: passed", "exercise 04.3: passed"]
+    model, micro = ec.hard_and_easy_step()
+    assert abs(_naive_loss(model, micro) - _token_weighted_loss(model, micro)) > 1.0
+
+
+@pytest.mark.parametrize("name", ["00.2", "02.3", "04.1", "04.3", "05.1", "09.4"])
+def test_a_table_of_the_answers_it_saw_does_not_pass_again(name, capsys):
+    """These checks once compared a small value or a function's outputs on fixed inputs with a digest, which trying
+    values reversed in a second (00.2 -> 0.3, 09.4 -> 2). Now they draw their inputs afresh at every call: a function
+    that answers only the inputs of an earlier passing call (a table of answers) fails the next one."""
+    check, _, _, right, _ = LIGHT_CASES[name]
+    seen = {}
+
+    def recording(*args):
+        seen[repr(args)] = right(*args)
+        return seen[repr(args)]
+
+    _call(check, recording)
+    assert capsys.readouterr().out.strip() == f"exercise {name}: passed"
+    with pytest.raises(ec.NotRightYet, match=f"exercise {name}: not right yet: "):
+        _call(check, lambda *args: seen[repr(args)])

@@ -1,8 +1,13 @@
-"""Every notebook asks for the `minimind` kernel that `make kernel` registers, so any JupyterLab runs the course's Python."""
+"""Every notebook asks for the `minimind` kernel that `make kernel` registers, whose display name names the checkout,
+and notebook 00 says which checkout's library the kernel imported, warning when it is another checkout's."""
 
 from __future__ import annotations
 
 import re
+import shutil
+import subprocess
+import sys
+import types
 from pathlib import Path
 
 import nbformat
@@ -10,6 +15,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted(p for p in (REPO / "notebooks").rglob("*.ipynb") if ".ipynb_checkpoints" not in p.parts)
+KERNEL_NAME, NOTEBOOK_DISPLAY_NAME = "minimind", "Python (minimind)"  # committed notebooks carry no machine's path
 
 
 def registered_kernel() -> tuple[str, str]:
@@ -26,8 +32,49 @@ def test_there_are_notebooks():
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: str(p.relative_to(REPO / "notebooks")))
 def test_notebook_declares_the_minimind_kernel(path: Path):
-    name, display_name = registered_kernel()
+    assert registered_kernel()[0] == KERNEL_NAME
     spec = nbformat.read(path, as_version=4).metadata.get("kernelspec")
     assert spec is not None, f"{path.name} declares no kernelspec"
-    assert (spec.get("name"), spec.get("display_name"), spec.get("language")) == (name, display_name, "python"), (
-        f"{path.name} declares kernel {dict(spec)}; expected name={name!r}, display_name={display_name!r}")
+    assert (spec.get("name"), spec.get("display_name"), spec.get("language")) == (
+        KERNEL_NAME, NOTEBOOK_DISPLAY_NAME, "python"), (
+        f"{path.name} declares kernel {dict(spec)}; expected name={KERNEL_NAME!r}, "
+        f"display_name={NOTEBOOK_DISPLAY_NAME!r} (saved from JupyterLab, it may carry a checkout's path)")
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_make_kernel_names_this_checkout_in_the_display_name():
+    """Two checkouts register the same kernel name; the display name says which one JupyterLab runs."""
+    dry_run = subprocess.run(["make", "-n", "-C", str(REPO), "kernel"], capture_output=True, text=True, check=True)
+    command = next(line for line in dry_run.stdout.splitlines() if "ipykernel install" in line)
+    assert f'--name {KERNEL_NAME} --display-name "Python (minimind: {REPO})"' in command, command
+
+
+def library_check_cell() -> str:
+    """The source of notebook 00's cell that says where minimind_lib was imported from."""
+    cells = nbformat.read(REPO / "notebooks" / "00_setup.ipynb", as_version=4).cells
+    found = [c.source for c in cells if c.cell_type == "code" and "minimind_lib imported from" in c.source]
+    assert len(found) == 1, "notebook 00 should have one cell that prints where minimind_lib was imported from"
+    return found[0]
+
+
+@pytest.mark.parametrize("imported_from, has_own_library, expect", [
+    ("course", True, "this checkout"), ("other", True, "WARNING"), ("other", False, "installed")])
+def test_notebook_00_names_the_library_it_imported(tmp_path, monkeypatch, capsys, imported_from, has_own_library,
+                                                   expect):
+    for checkout in ("course", "other"):
+        (tmp_path / checkout / "notebooks").mkdir(parents=True)
+        if checkout == "other" or has_own_library:
+            (tmp_path / checkout / "minimind_lib").mkdir()
+    fake = types.ModuleType("minimind_lib")
+    fake.__file__ = str(tmp_path / imported_from / "minimind_lib" / "__init__.py")
+    monkeypatch.setitem(sys.modules, "minimind_lib", fake)
+    monkeypatch.chdir(tmp_path / "course" / "notebooks")  # Jupyter's working directory: the notebook's folder
+    exec(library_check_cell(), {})
+    out, err = capsys.readouterr()
+    if expect == "this checkout":
+        assert out == "minimind_lib imported from this checkout: minimind_lib/\n" and not err
+    elif expect == "WARNING":  # on stderr: JupyterLab shows it in red, and nothing is printed as if all were well
+        assert not out and err.startswith("WARNING") and str(tmp_path / "other" / "minimind_lib") in err
+        assert "make kernel" in err and str(tmp_path / "course" / "minimind_lib") in err
+    else:
+        assert "installed" in out and str(tmp_path / "other" / "minimind_lib") in out and not err

@@ -6,6 +6,7 @@ import re
 import shutil
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import nbformat
@@ -74,7 +75,12 @@ def test_reset_says_yes_when_asked(dirty_checkout: Path):
     assert not (dirty_checkout / "runs").exists() and git(dirty_checkout, "status", "--porcelain") == ""
 
 
-def test_handout_strips_outputs_and_keeps_solutions_apart(tmp_path: Path):
+REGION_CELL = 'def twice(x):\n    """Twice x."""\n    ### BEGIN SOLUTION\n    return 2 * x\n    ### END SOLUTION'
+
+
+def small_course(tmp_path: Path) -> tuple[Path, Path]:
+    """A notebooks folder (a chapter with an output and a solution region, its solution, the files beside them) and a
+    data folder."""
     src = tmp_path / "notebooks"
     (src / "solutions").mkdir(parents=True)
     (src / "figures").mkdir()
@@ -87,28 +93,200 @@ def test_handout_strips_outputs_and_keeps_solutions_apart(tmp_path: Path):
         (data / name).write_text("{}\n")
     cell = nbformat.v4.new_code_cell("print(42)", execution_count=3, metadata={"execution": {"a": "b"}, "tags": ["t"]})
     cell.outputs = [nbformat.v4.new_output("stream", text="42\n")]
-    nbformat.write(nbformat.v4.new_notebook(cells=[cell, nbformat.v4.new_markdown_cell("# hi")]), src / "01_a.ipynb")
-    nbformat.write(nbformat.v4.new_notebook(cells=[cell]), src / "solutions" / "01_a.ipynb")
+    region = nbformat.v4.new_code_cell(REGION_CELL, metadata={"nbgrader": {"solution": True, "grade_id": "twice"}})
+    nbformat.write(nbformat.v4.new_notebook(cells=[cell, nbformat.v4.new_markdown_cell("# hi"), region]),
+                   src / "01_a.ipynb")
+    link = nbformat.v4.new_markdown_cell("Solutions of [01_a](../01_a.ipynb).")
+    nbformat.write(nbformat.v4.new_notebook(cells=[link, cell]), src / "solutions" / "01_a.ipynb")
+    return src, data
+
+
+def test_handout_strips_outputs_and_keeps_solutions_apart(tmp_path: Path):
+    src, data = small_course(tmp_path)
     out = tmp_path / "handout"
-    (out / "stale.txt").parent.mkdir()
-    (out / "stale.txt").write_text("old")
     written = handout.make_handout(out, src, data)
-    assert not (out / "stale.txt").exists()  # a new handout replaces the old one
-    assert {p.name for p in written["notebooks"]} == {"01_a.ipynb", "exercise_checks.py", "ddp_demo.py", "figures"}
-    assert {p.name for p in written["solutions"]} == {"01_a.ipynb", "exercise_checks.py"}
-    assert {p.name for p in written["data"]} == {"pretrain.jsonl", "LICENSES.md"}
-    assert (out / "notebooks" / "figures" / "a.svg").is_file()
-    for path in (out / "notebooks" / "01_a.ipynb", out / "solutions" / "01_a.ipynb"):
-        code = nbformat.read(path, 4).cells[0]
+    assert sorted(written["notebooks"]) == ["notebooks/01_a.ipynb", "notebooks/ddp_demo.py",
+                                            "notebooks/exercise_checks.py", "notebooks/figures/a.svg"]
+    assert sorted(written["lab"]) == [p.replace("notebooks/", "lab/") for p in sorted(written["notebooks"])]
+    assert sorted(written["solutions"]) == ["solutions/01_a.ipynb", "solutions/exercise_checks.py"]
+    assert sorted(written["data"]) == ["data/LICENSES.md", "data/pretrain.jsonl"]
+    for path in (out / "notebooks" / "01_a.ipynb", out / "lab" / "01_a.ipynb", out / "solutions" / "01_a.ipynb"):
+        code = next(c for c in nbformat.read(path, 4).cells if c.cell_type == "code")
         assert code.source == "print(42)" and code.outputs == [] and code.execution_count is None
         assert "execution" not in code.metadata and code.metadata["tags"] == ["t"]
+    assert nbformat.read(out / "notebooks" / "01_a.ipynb", 4).cells[2].source == REGION_CELL
+    assert nbformat.read(out / "lab" / "01_a.ipynb", 4).cells[2].source == (
+        'def twice(x):\n    """Twice x."""\n    # YOUR CODE HERE\n    raise NotImplementedError()')
+    assert nbformat.read(out / "solutions" / "01_a.ipynb", 4).cells[0].source == \
+        "Solutions of [01_a](../notebooks/01_a.ipynb)."  # the chapter, from the handout's solutions/
     assert not list((out / "notebooks").glob("solutions"))  # solutions only in their own folder
 
 
+def snapshot(folder: Path) -> dict[str, bytes]:
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+def test_a_second_handout_keeps_everything_the_learner_added(tmp_path: Path):
+    """The tool used to remove the whole folder first: the learner's notes and runs went with it."""
+    src, data = small_course(tmp_path)
+    out = tmp_path / "handout"
+    handout.make_handout(out, src, data)
+    (out / "notes.txt").write_text("mine")
+    (out / "runs" / "smoke").mkdir(parents=True)
+    (out / "runs" / "smoke" / "model.pth").write_bytes(b"weights")
+    (out / "lab" / "my_try.ipynb").write_text("{}")
+    handout.make_handout(out, src, data)
+    assert (out / "notes.txt").read_text() == "mine" and (out / "lab" / "my_try.ipynb").is_file()
+    assert (out / "runs" / "smoke" / "model.pth").read_bytes() == b"weights"
+
+
+def test_a_second_handout_refuses_a_changed_notebook_and_writes_nothing(tmp_path: Path):
+    src, data = small_course(tmp_path)
+    out = tmp_path / "handout"
+    handout.make_handout(out, src, data)
+    mine = out / "lab" / "01_a.ipynb"
+    nb = nbformat.read(mine, 4)
+    nb.cells[2].source = nb.cells[2].source.replace("raise NotImplementedError()", "return x + x")
+    nbformat.write(nb, mine)
+    (out / "notebooks" / "exercise_checks.py").unlink()  # a file the learner deleted would be written again
+    before = snapshot(out)
+    with pytest.raises(handout.HandoutError, match=r"lab/01_a\.ipynb: changed since the last handout"):
+        handout.make_handout(out, src, data)
+    assert snapshot(out) == before  # nothing was written
+
+
+def test_forcing_replaces_only_the_files_it_names(tmp_path: Path):
+    src, data = small_course(tmp_path)
+    out = tmp_path / "handout"
+    handout.make_handout(out, src, data)
+    (out / "lab" / "01_a.ipynb").write_text("{}")  # the learner's version
+    with pytest.raises(handout.HandoutError, match="lab/01_a.ipynb"):
+        handout.make_handout(out, src, data, force={"notebooks/01_a.ipynb"})  # another file named
+    assert (out / "lab" / "01_a.ipynb").read_text() == "{}"
+    handout.make_handout(out, src, data, force={"lab/01_a.ipynb"})
+    assert "YOUR CODE HERE" in (out / "lab" / "01_a.ipynb").read_text()
+    (out / "data" / "LICENSES.md").write_text("edited")
+    handout.make_handout(out, src, data, force=True)  # FORCE=1: every such file
+    assert (out / "data" / "LICENSES.md").read_text() == "{}\n"
+
+
+def test_a_handout_never_replaces_a_file_it_did_not_write(tmp_path: Path):
+    src, data = small_course(tmp_path)
+    out = tmp_path / "handout"
+    (out / "lab").mkdir(parents=True)
+    (out / "lab" / "01_a.ipynb").write_text("a learner's own notebook of that name")
+    with pytest.raises(handout.HandoutError, match=r"lab/01_a\.ipynb: was not written by the handout"):
+        handout.make_handout(out, src, data)
+    assert (out / "lab" / "01_a.ipynb").read_text() == "a learner's own notebook of that name"
+
+
+def test_files_an_earlier_handout_wrote_are_removed_only_if_unchanged(tmp_path: Path):
+    src, data = small_course(tmp_path)
+    out = tmp_path / "handout"
+    handout.make_handout(out, src, data)
+    (out / "lab" / "ddp_demo.py").write_text("print('changed by the learner')\n")
+    (src / "ddp_demo.py").unlink()  # no longer part of the course
+    handout.make_handout(out, src, data)
+    assert not (out / "notebooks" / "ddp_demo.py").exists()  # the handout's own, unchanged: removed
+    assert (out / "lab" / "ddp_demo.py").read_text() == "print('changed by the learner')\n"  # the learner's: kept
+    assert "lab/ddp_demo.py" not in handout.read_manifest(out)  # and never the handout's again
+
+
+def test_a_manifest_naming_files_elsewhere_is_refused(tmp_path: Path):
+    src, data = small_course(tmp_path)
+    out = tmp_path / "handout"
+    handout.make_handout(out, src, data)
+    (tmp_path / "elsewhere.txt").write_text("not the handout's")
+    manifest = json.loads((out / handout.MANIFEST).read_text())
+    manifest["files"]["../elsewhere.txt"] = handout._sha256(tmp_path / "elsewhere.txt")
+    (out / handout.MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(handout.HandoutError, match="paths outside the folder"):
+        handout.make_handout(out, src, data)
+    assert (tmp_path / "elsewhere.txt").exists()
+
+
+def test_a_failed_handout_leaves_every_file_it_found(tmp_path: Path, monkeypatch):
+    src, data = small_course(tmp_path)
+    out = tmp_path / "handout"
+    handout.make_handout(out, src, data)
+    (out / "notes.txt").write_text("mine")
+    before = set(snapshot(out))
+
+    def broken_copy(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+    for name in ("copyfileobj", "copy2", "copytree"):
+        monkeypatch.setattr(shutil, name, broken_copy)
+    with pytest.raises(OSError, match="(?i)no space left"):
+        handout.make_handout(out, src, data)
+    assert set(snapshot(out)) >= before, "a failed handout removed files"
+    monkeypatch.undo()
+    handout.make_handout(out, src, data)  # what it wrote before failing is in its manifest: the next run goes on
+
+
+def test_a_handout_refuses_the_working_directory_and_the_course(tmp_path: Path, monkeypatch):
+    src, data = small_course(tmp_path)
+    (tmp_path / "mine.txt").write_text("mine")
+    monkeypatch.chdir(tmp_path)
+    for target in (Path("."), Path(""), REPO, REPO.parent):
+        with pytest.raises(handout.HandoutError, match="refusing to write the handout into"):
+            handout.make_handout(target, src, data)
+    assert (tmp_path / "mine.txt").read_text() == "mine" and not (tmp_path / "lab").exists()
+
+
+def test_the_handout_command_exits_2_and_names_the_file(tmp_path: Path, capsys):
+    out = tmp_path / "handout"
+    assert handout.main(["--out", str(out)]) == 0
+    (out / "lab" / "03_model.ipynb").write_text("{}")
+    assert handout.main(["--out", str(out)]) == 2
+    assert "lab/03_model.ipynb: changed since the last handout" in capsys.readouterr().err
+    assert handout.main(["--out", str(out), "--force", str(out / "lab" / "03_model.ipynb")]) == 0
+    assert handout.main(["--out", str(out)]) == 0
+
+
+@needs_git_make
+def test_make_handout_passes_force_on():
+    def dry_run(*args: str) -> str:
+        return subprocess.run(["make", "-n", "-s", "-C", str(REPO), "handout", *args], capture_output=True,
+                              text=True).stdout
+    assert "tools/handout.py --out build/handout --force \n" in dry_run("FORCE=1")
+    assert "tools/handout.py --out build/handout --force lab/03_model.ipynb" in dry_run("FORCE=lab/03_model.ipynb")
+    assert "--force" not in dry_run()
+
+
+def executed_lab_notebooks(handout_dir: Path, env: dict, into: Path) -> list[Path]:
+    """Execute every lab notebook of a handout in a fresh kernel of this Python (as nbval's current env does), in
+    its own folder, and save each executed copy in `into`; stop at the first cell that fails."""
+    script = textwrap.dedent("""
+        import sys
+        from pathlib import Path
+        import nbformat
+        from jupyter_client.manager import KernelManager
+        from nbclient import NotebookClient
+        from nbval.kernel import CURRENT_ENV_KERNEL_NAME, NbvalKernelspecManager
+        lab, into = Path(sys.argv[1]), Path(sys.argv[2])
+        for path in sorted(lab.glob("*.ipynb")):
+            nb = nbformat.read(path, as_version=4)
+            km = KernelManager(kernel_name=CURRENT_ENV_KERNEL_NAME, kernel_spec_manager=NbvalKernelspecManager())
+            try:
+                NotebookClient(nb, km=km, timeout=900, resources={"metadata": {"path": str(lab)}}).execute()
+            finally:
+                if km.has_kernel:  # a kernel given to nbclient is not shut down by it
+                    km.shutdown_kernel(now=True)
+            nbformat.write(nb, into / path.name)
+    """)
+    into.mkdir()
+    result = subprocess.run([sys.executable, "-c", script, str(handout_dir / "lab"), str(into)], cwd=handout_dir,
+                            env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    return sorted(into.glob("*.ipynb"))
+
+
 def test_the_handout_runs_on_its_own(tmp_path: Path):
-    """Build the handout in a temporary folder and execute every notebook and solution there (smoke profile), with
-    minimind_lib installed apart from any checkout, as `pip install` of the course gives it: nothing may reach back
-    into the repository (exercise checks, ddp_demo.py, data, runs)."""
+    """Build the handout in a temporary folder and execute there (smoke profile) every lab notebook (untouched: every
+    region a stub) and every solution, with minimind_lib installed apart from any checkout, as `pip install` of the
+    course gives it: nothing may reach back into the repository (checks, ddp_demo.py, data, runs). Each lab notebook
+    runs top to bottom with every region's check saying "not written yet". (The chapters themselves, which the
+    handout's notebooks/ holds without outputs, are executed by nbval in `make notebooks`.)"""
     out = tmp_path / "handout"
     handout.make_handout(out)
     site = tmp_path / "site-packages"
@@ -116,18 +294,56 @@ def test_the_handout_runs_on_its_own(tmp_path: Path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("MINIMIND_")}
     env.update(PYTHONPATH=str(site), MINIMIND_PROFILE="smoke", PYTHONNOUSERSITE="1")
     probe = subprocess.run([sys.executable, "-c", "import minimind_lib.paths as p; print(p.__file__, p.REPO_DIR)"],
-                           cwd=out / "notebooks", env=env, capture_output=True, text=True, check=True).stdout
+                           cwd=out / "lab", env=env, capture_output=True, text=True, check=True).stdout
     assert probe.split() == [str(site / "minimind_lib" / "paths.py"), str(out.resolve())]
+    executed = executed_lab_notebooks(out, env, tmp_path / "executed")
+    assert [p.name for p in executed] == [p.name for p in sorted((REPO / "notebooks").glob("[0-9][0-9]_*.ipynb"))]
+    for path in executed:
+        printed = "".join(o.get("text", "") for c in nbformat.read(path, 4).cells for o in c.get("outputs", []))
+        for region in handout.notebook_regions(nbformat.read(REPO / "notebooks" / path.name, 4)):
+            assert f"\n{region.name}: not written yet. Hint: " in f"\n{printed}", f"{path.name}: {region.name}"
+            assert f"{region.name}: passed" not in printed
     result = subprocess.run([sys.executable, "-m", "pytest", "--nbval-lax", "--nbval-current-env", "-p",
-                             "no:cacheprovider", "--nbval-cell-timeout=900", "-q", "notebooks", "solutions"],
+                             "no:cacheprovider", "--nbval-cell-timeout=900", "-q", "solutions"],
                             cwd=out, env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
     assert (out / "runs" / "smoke" / "pretrain" / "model.pth").is_file()  # 07 wrote its run into the handout
 
 
 def test_handout_of_an_empty_folder_is_an_error(tmp_path: Path):
-    with pytest.raises(SystemExit, match="no notebooks in"):
+    with pytest.raises(handout.HandoutError, match="no notebooks in"):
         handout.make_handout(tmp_path / "out", tmp_path)
+
+
+MARKDOWN_LINK = re.compile(r"\]\(([^)#\s]+)")
+
+
+def test_links_and_solution_hints_resolve_in_the_checkout_and_the_handout(tmp_path: Path, monkeypatch):
+    """Every relative link of every notebook, and the path a check's hint gives for the worked solution, lead to a
+    file: in the checkout (notebooks/, notebooks/solutions/) and in the handout (notebooks/, lab/, solutions/)."""
+    import importlib.util
+    out = tmp_path / "handout"
+    handout.make_handout(out)
+    folders = [REPO / "notebooks", REPO / "notebooks" / "solutions", out / "notebooks", out / "lab", out / "solutions"]
+    for i, folder in enumerate(folders):
+        notebooks = sorted(folder.glob("*.ipynb"))
+        assert notebooks, folder
+        for path in notebooks:
+            for cell in nbformat.read(path, 4).cells:
+                for target in MARKDOWN_LINK.findall(cell.source) if cell.cell_type == "markdown" else []:
+                    if "://" not in target:
+                        assert (folder / target).exists(), f"{path}: the link {target} leads nowhere"
+        # the hint as a notebook of this folder prints it: the kernel's working directory is the folder, the checks
+        # module the one beside it (the checkout's solutions import the one in the folder above)
+        checks = folder / "exercise_checks.py"
+        spec = importlib.util.spec_from_file_location(f"checks_{i}", checks if checks.is_file()
+                                                      else folder.parent / "exercise_checks.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        monkeypatch.chdir(folder)
+        for exercise in ("00.1", "03.1", "09.4"):
+            hint = module.solution_path(exercise)
+            assert Path(hint).is_file() and "solutions" in Path(hint).resolve().parent.name, f"{folder}: {hint}"
 
 
 ANSWERS = REPO / "docs" / "answers.md"  # the teacher's notes

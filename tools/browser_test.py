@@ -156,7 +156,8 @@ def run_all(page, lab: Lab, name: str, out: Path, timeout: float) -> tuple[str, 
     while lab.kernel_state(kernel["id"]) != "idle" and time.monotonic() < deadline:
         page.wait_for_timeout(500)
     kernel_label = page.locator(".jp-NotebookPanel:not(.lm-mod-hidden) .jp-Toolbar-kernelName").first.inner_text()
-    check(kernel_label == "Python (minimind)", f"{name}: the toolbar names the kernel {kernel_label!r}")
+    check(kernel_label == f"Python (minimind: {REPO})", f"{name}: the toolbar names the kernel {kernel_label!r}, "
+          f"registered by `make kernel` in this checkout")
     page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
     page.locator(".lm-Menu-itemLabel", has_text="Run All Cells").first.click()
     start = time.monotonic()

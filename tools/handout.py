@@ -1,27 +1,131 @@
-"""Output-stripped copies of the course for a teacher to hand out: `python tools/handout.py [--out build/handout]`.
+"""The course to hand out: `python tools/handout.py [--out build/handout] [--force [FILE ...]]` (`make handout`).
 
-Writes OUT/notebooks/ (every notebooks/*.ipynb without outputs, execution counts or cell timings, plus what the
-notebooks read beside them: exercise_checks.py, chat_box.py, ddp_demo.py and figures/), OUT/data/ (the bundled data
-and its licences) and, when notebooks/solutions/ exists, OUT/solutions/ (the worked solutions, stripped the same way, with
-their own copy of exercise_checks.py, kept apart so a teacher decides when to hand them out).
+Writes, output-stripped (no outputs, execution counts or cell timings):
+- OUT/notebooks/: the chapters (notebooks/NN_*.ipynb) as they are, and what they read beside them (exercise_checks.py,
+  lab_checks.py, chat_box.py, ddp_demo.py, figures/);
+- OUT/lab/: the lab edition: the same chapters with every solution region replaced by a stub, and the same files
+  beside them. A region is nbgrader's: the lines from one holding `### BEGIN SOLUTION` to one holding
+  `### END SOLUTION` become `# YOUR CODE HERE` and `raise NotImplementedError()` at the BEGIN line's indentation, as
+  nbgrader's ClearSolutions writes them. The function's signature and docstring sit above the region, so the stub
+  keeps them; the check cell after it (lab_checks.py) says "not written yet" and the notebook goes on;
+- OUT/solutions/: the exercises' worked solutions with their own exercise_checks.py, kept apart so a teacher decides
+  when to hand them out (their links back to the chapters point to ../notebooks/);
+- OUT/data/: the bundled data and its licences.
 The handout runs on its own: beside a `make lab` checkout, or with the course's package installed by pip, where
 minimind_lib finds data/ (and writes runs/) in the folder above the notebooks (minimind_lib.paths.course_dir).
-The teacher's notes (docs/answers.md) are not in it. `make handout` calls this.
+The teacher's notes (docs/answers.md) are not in it.
+
+What is the learner's is never deleted: OUT/.handout-manifest.json records every file this tool wrote with its
+SHA-256. A new handout replaces only files it wrote that are unchanged since; a file the learner changed (an edited
+notebook), or one of the same name that the tool never wrote, stops the run before anything is written, unless
+--force names it (or is given alone: every such file). Files of an earlier handout that the new one no longer holds
+are removed when unchanged, kept when changed. Each file is replaced atomically and the manifest is written even
+after a failure, so a failed run leaves every file that was there before.
+
+Why a hand-written stripper and not nbgrader's ClearSolutions: nbgrader 0.9.6 installs from the package registry
+with no server and no conflict with requirements.txt (pip's resolver keeps every pin), but it brings 6 packages into
+every learner's environment (nbgrader 20 MB, notebook 17 MB, sqlalchemy 29 MB, rapidfuzz 12 MB, alembic 2.8 MB,
+mako 0.8 MB installed: about 82 MB) and registers 4 Jupyter server extensions and a JupyterLab extension, so every
+learner's JupyterLab loads its formgrader and assignment panels and logs "No nbgrader_config.py file found". The
+part the handout needs is ClearSolutions' 40-line loop, rewritten here with nbgrader's semantics (the delimiters
+matched anywhere in a line, the same stub at the BEGIN line's indentation, an error for a nested or unclosed region)
+and its metadata rule: a cell holding a region must be marked as an nbgrader solution cell, so a teacher who grades
+with nbgrader can run `nbgrader generate_assignment` on the chapters as they are. On notebook 03 nbgrader 0.9.6's
+ClearSolutions (enforce_metadata on) gives the same source in every cell as this stripper.
 """
 
+from __future__ import annotations
+
 import argparse
+import hashlib
+import json
+import os
+import re
 import shutil
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import nbformat
 
+from minimind_lib.fileio import atomic_open
 from minimind_lib.paths import REPO_DIR
 
-BESIDE_NOTEBOOKS = ("exercise_checks.py", "chat_box.py", "ddp_demo.py", "figures")  # read from their own folder
+BESIDE_NOTEBOOKS = ("exercise_checks.py", "lab_checks.py", "chat_box.py", "ddp_demo.py", "figures")
 BESIDE_SOLUTIONS = ("exercise_checks.py",)
 DATA_FILES = ("pretrain.jsonl", "pretrain_val.jsonl", "sft.jsonl", "pretrain_t2t_mini.jsonl", "sft_t2t_mini.jsonl",
               "LICENSES.md", "README.md")
+BEGIN, END = "BEGIN SOLUTION", "END SOLUTION"  # nbgrader's delimiters, written `### BEGIN SOLUTION` in the chapters
+STUB = ("# YOUR CODE HERE", "raise NotImplementedError()")  # nbgrader's ClearSolutions.code_stub["python"]
+MANIFEST = ".handout-manifest.json"
+
+
+class HandoutError(Exception):
+    """A handout that cannot be written as asked; nothing was written."""
+
+
+@dataclass
+class Region:
+    """One solution region of a cell: lines begin..end (the marker lines), in the function `name`."""
+    name: str  # "RMSNorm.forward", "rope_tables": the def (and class) around the region
+    begin: int
+    end: int
+    indent: str
+
+
+def _enclosing(lines: list[str], at: int) -> str:
+    """'Class.method' or 'function': the defs and classes that line `at` sits in, outermost first."""
+    names, indent = [], len(lines[at]) - len(lines[at].lstrip())
+    for line in reversed(lines[:at]):
+        m = re.match(r"(\s*)(?:async\s+)?(?:def|class)\s+(\w+)", line)
+        if m and len(m.group(1)) < indent:
+            names.insert(0, m.group(2))
+            indent = len(m.group(1))
+    return ".".join(names) or "top level"
+
+
+def find_regions(source: str, where: str = "cell") -> list[Region]:
+    """The solution regions of a cell's source; ValueError naming `where` and the line for a nested or open one."""
+    lines, regions, begin = source.split("\n"), [], None
+    for i, line in enumerate(lines):
+        if BEGIN in line:
+            if begin is not None:
+                raise ValueError(f"{where}, line {i + 1}: {BEGIN} inside the region opened on line {begin + 1}")
+            begin = i
+        elif END in line:
+            if begin is None:
+                raise ValueError(f"{where}, line {i + 1}: {END} without a {BEGIN} before it")
+            regions.append(Region(_enclosing(lines, begin), begin, i, re.match(r"\s*", lines[begin]).group(0)))
+            begin = None
+    if begin is not None:
+        raise ValueError(f"{where}, line {begin + 1}: {BEGIN} without an {END}")
+    return regions
+
+
+def clear_regions(source: str, where: str = "cell") -> tuple[str, list[Region]]:
+    """The source with every region replaced by the stub (at the BEGIN line's indentation), and the regions."""
+    lines, regions = source.split("\n"), find_regions(source, where)
+    kept, start = [], 0
+    for r in regions:
+        kept += lines[start:r.begin] + [r.indent + line for line in STUB]
+        start = r.end + 1
+    return "\n".join(kept + lines[start:]), regions
+
+
+def notebook_regions(nb: nbformat.NotebookNode, name: str = "notebook") -> list[Region]:
+    """Every region of a notebook's code cells, in order; ValueError for a region outside an nbgrader solution cell
+    or in a text cell."""
+    found = []
+    for i, cell in enumerate(nb.cells):
+        regions = find_regions(cell.source, f"{name}, cell {i}")
+        if regions and cell.cell_type != "code":
+            raise ValueError(f"{name}, cell {i}: a {cell.cell_type} cell holds nbgrader's solution delimiters "
+                             f"({BEGIN!r}, {END!r}), which nbgrader would clear: reword it")
+        if regions and not cell.metadata.get("nbgrader", {}).get("solution"):
+            raise ValueError(f"{name}, cell {i}: a solution region in a cell without nbgrader's solution metadata "
+                             "(metadata.nbgrader.solution = true and a grade_id): nbgrader would refuse it")
+        found += regions
+    return found
 
 
 def strip_outputs(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
@@ -33,55 +137,170 @@ def strip_outputs(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
     return nb
 
 
-def copy_stripped(src_dir: Path, dst_dir: Path) -> list[Path]:
-    """Strip every *.ipynb of src_dir into dst_dir (created); return the written paths."""
-    dst_dir.mkdir(parents=True, exist_ok=True)
-    written = []
-    for path in sorted(src_dir.glob("*.ipynb")):
-        nbformat.write(strip_outputs(nbformat.read(path, as_version=4)), dst_dir / path.name)
-        written.append(dst_dir / path.name)
-    return written
+def lab_edition(nb: nbformat.NotebookNode, name: str = "notebook") -> nbformat.NotebookNode:
+    """The notebook (stripped) with every solution region replaced by the stub."""
+    notebook_regions(nb, name)  # the metadata rule
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type == "code":
+            cell.source = clear_regions(cell.source, f"{name}, cell {i}")[0]
+    return strip_outputs(nb)
 
 
-def copy_beside(names: tuple[str, ...], src_dir: Path, dst_dir: Path) -> list[Path]:
-    """Copy the files and folders of `names` that exist in src_dir into dst_dir; return the written paths."""
-    written = []
+def _relink_chapters(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
+    """A solution's links to its chapter, `../NN_x.ipynb` beside it in a checkout, become `../notebooks/NN_x.ipynb`."""
+    for cell in nb.cells:
+        if cell.cell_type == "markdown":
+            cell.source = re.sub(r"\]\(\.\./(\d\d_\w+\.ipynb)\)", r"](../notebooks/\1)", cell.source)
+    return nb
+
+
+def _notebook_bytes(nb: nbformat.NotebookNode) -> bytes:
+    return (nbformat.writes(nb) + "\n").encode("utf-8")
+
+
+def _beside(names: tuple[str, ...], src: Path, folder: str) -> dict[str, Path]:
+    """Files of `names` (a folder: its files) that exist in src, keyed by their path in the handout."""
+    files = {}
     for name in names:
-        src, dst = src_dir / name, dst_dir / name
-        if src.is_dir():
-            shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__"))
-        elif src.is_file():
-            shutil.copy2(src, dst)
+        path = src / name
+        for f in sorted(path.rglob("*")) if path.is_dir() else [path] if path.is_file() else []:
+            if f.is_file() and "__pycache__" not in f.parts:
+                files[f"{folder}/{f.relative_to(src).as_posix()}"] = f
+    return files
+
+
+def plan_handout(notebook_dir: Path, data_dir: Path) -> dict[str, bytes | Path]:
+    """Every file of the handout: its path in the handout -> its content, or the file to copy."""
+    chapters = sorted(notebook_dir.glob("*.ipynb"))
+    if not chapters:
+        raise HandoutError(f"no notebooks in {notebook_dir}")
+    plan: dict[str, bytes | Path] = {}
+    for path in chapters:
+        plan[f"notebooks/{path.name}"] = _notebook_bytes(strip_outputs(nbformat.read(path, as_version=4)))
+        plan[f"lab/{path.name}"] = _notebook_bytes(lab_edition(nbformat.read(path, as_version=4), path.name))
+    plan |= _beside(BESIDE_NOTEBOOKS, notebook_dir, "notebooks") | _beside(BESIDE_NOTEBOOKS, notebook_dir, "lab")
+    for path in sorted((notebook_dir / "solutions").glob("*.ipynb")):
+        nb = _relink_chapters(strip_outputs(nbformat.read(path, as_version=4)))
+        plan[f"solutions/{path.name}"] = _notebook_bytes(nb)
+    if any(p.startswith("solutions/") for p in plan):
+        plan |= _beside(BESIDE_SOLUTIONS, notebook_dir, "solutions")
+    return plan | _beside(DATA_FILES, data_dir, "data")
+
+
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def read_manifest(out: Path) -> dict[str, str]:
+    """The files an earlier handout wrote in `out` (path -> SHA-256); {} when there was none."""
+    path = out / MANIFEST
+    if not path.exists():
+        return {}
+    try:
+        files = json.loads(path.read_text(encoding="utf-8"))["files"]
+        assert isinstance(files, dict) and all(isinstance(v, str) for v in files.values())
+        outside = [k for k in files if Path(k).is_absolute() or ".." in Path(k).parts]
+        assert not outside, f"paths outside the folder: {outside[:3]}"  # never remove a file elsewhere
+    except (ValueError, KeyError, TypeError, AssertionError) as e:
+        raise HandoutError(f"{path} is not a handout manifest ({type(e).__name__}: {e}); it lists the files an "
+                           "earlier handout wrote: restore it, or move the folder away and run again") from None
+    return files
+
+
+def _write_manifest(out: Path, files: dict[str, str]) -> None:
+    with atomic_open(out / MANIFEST, "w", encoding="utf-8") as f:
+        json.dump({"written_by": "tools/handout.py", "files": dict(sorted(files.items()))}, f, indent=1)
+
+
+def _refuse_target(out: Path) -> None:
+    here, out = Path.cwd().resolve(), out.resolve()
+    if out == here or out in (REPO_DIR.resolve(), *REPO_DIR.resolve().parents):
+        raise HandoutError(f"refusing to write the handout into {out}: it is the working directory or holds the "
+                           "course itself; name a folder of its own, such as build/handout")
+    if out.exists() and not out.is_dir():
+        raise HandoutError(f"{out} is a file, not a folder")
+
+
+def _blocked(out: Path, plan: dict, written: dict[str, str], force: bool | set[str]) -> list[str]:
+    """The handout's files that exist in `out` as someone else's (changed since written, or never written by it)."""
+    problems = []
+    for rel in plan:
+        target = out / rel
+        if not target.exists() and not target.is_symlink():
+            continue
+        if target.is_dir() or target.is_symlink():
+            why = "is a folder or a link, not a file this tool wrote"
+        elif rel not in written:
+            why = "was not written by the handout (not in its manifest)"
+        elif _sha256(target) != written[rel]:
+            why = "changed since the last handout"
         else:
             continue
-        written.append(dst)
-    return written
+        if target.is_dir() or not (force is True or rel in force):
+            problems.append(f"  {rel}: {why}")
+    return problems
 
 
-def make_handout(out: Path, notebook_dir: Path = REPO_DIR / "notebooks",
-                 data_dir: Path = REPO_DIR / "data") -> dict[str, list[Path]]:
-    """Build the handout in `out` (replacing an older one); return the written files per folder."""
-    if not any(notebook_dir.glob("*.ipynb")):
-        raise SystemExit(f"error: no notebooks in {notebook_dir}")
-    if out.exists():
-        shutil.rmtree(out)
-    written = {"notebooks": copy_stripped(notebook_dir, out / "notebooks")}
-    written["notebooks"] += copy_beside(BESIDE_NOTEBOOKS, notebook_dir, out / "notebooks")
-    if (notebook_dir / "solutions").is_dir():
-        written["solutions"] = copy_stripped(notebook_dir / "solutions", out / "solutions")
-        written["solutions"] += copy_beside(BESIDE_SOLUTIONS, notebook_dir, out / "solutions")
-    (out / "data").mkdir()
-    written["data"] = copy_beside(DATA_FILES, data_dir, out / "data")
-    return written
+def make_handout(out: Path, notebook_dir: Path = REPO_DIR / "notebooks", data_dir: Path = REPO_DIR / "data",
+                 force: bool | set[str] = frozenset()) -> dict[str, list[str]]:
+    """Write the handout into `out` by the rules above; return the files written per top-level folder."""
+    _refuse_target(out)
+    plan, written = plan_handout(notebook_dir, data_dir), read_manifest(out)
+    if problems := _blocked(out, plan, written, force):
+        raise HandoutError(f"not overwriting {len(problems)} file(s) in {out}:\n" + "\n".join(problems) +
+                           "\nnothing was written. Keep them by moving them elsewhere, or replace them with "
+                           "`make handout FORCE=1` (all) or `python tools/handout.py --force FILE ...` (as listed).")
+    manifest, done = dict(written), {}
+    try:
+        for rel, content in plan.items():
+            target = out / rel
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with atomic_open(target, "wb") as f:
+                if isinstance(content, Path):
+                    with open(content, "rb") as src:
+                        shutil.copyfileobj(src, f)
+                else:
+                    f.write(content)
+            manifest[rel] = _sha256(target)
+            done.setdefault(rel.split("/")[0], []).append(rel)
+        for rel in sorted(set(written) - set(plan)):  # an earlier handout's file that this one no longer has
+            target = out / rel
+            if target.is_file() and not target.is_symlink() and _sha256(target) == written[rel]:
+                target.unlink()
+            elif target.exists():
+                print(f"kept {target}: changed since the handout wrote it", file=sys.stderr)
+            del manifest[rel]
+    finally:
+        out.mkdir(parents=True, exist_ok=True)
+        _write_manifest(out, manifest)
+    return done
+
+
+def _inside(out: Path, name: str) -> str:
+    """A --force FILE as a path inside OUT: given as listed (lab/03_model.ipynb), or with OUT in front."""
+    try:
+        return Path(name).resolve().relative_to(out.resolve()).as_posix()
+    except ValueError:
+        return Path(name).as_posix()
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Parse arguments, build the handout, list what it holds."""
+    """Parse arguments, write the handout, list what it holds; exit 2 when it cannot be written as asked."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=REPO_DIR / "build" / "handout")
+    parser.add_argument("--force", nargs="*", metavar="FILE",
+                        help="replace these files (paths inside OUT, as an error lists them) even if changed since "
+                             "the last handout; alone: every such file")
     args = parser.parse_args(argv)
-    for folder, paths in make_handout(args.out).items():
-        print(f"{args.out / folder}: {len(paths)} files ({', '.join(p.name for p in paths)})")
+    force: bool | set[str] = True if args.force == [] else {_inside(args.out, p) for p in args.force or ()}
+    try:
+        done = make_handout(args.out, force=force)
+    except (HandoutError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for folder, paths in done.items():
+        print(f"{args.out / folder}: {len(paths)} files")
     return 0
 
 

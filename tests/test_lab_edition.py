@@ -1,0 +1,162 @@
+"""The lab edition (tools/handout.py, notebooks/lab_checks.py): every chapter's solution regions are marked as nbgrader
+marks them and become stubs; put back, they give the chapter; each region has a check, and a planted mistake is caught
+by its check with a message naming it. (The untouched lab notebooks are executed in tests/test_workshop_kit.py.)"""
+import re
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+NB_DIR = REPO / "notebooks"
+sys.path.insert(0, str(REPO / "tools"))
+sys.path.insert(0, str(NB_DIR))
+
+import handout  # noqa: E402
+import lab_checks  # noqa: E402
+from exercise_checks import NotRightYet  # noqa: E402
+
+CHAPTERS = sorted(NB_DIR.glob("[0-9][0-9]_*.ipynb"))
+CHECK_CALL = re.compile(r"""\blab\.check\(["']([\w.]+)["']""")
+STUB = re.compile(r"^([ \t]*)# YOUR CODE HERE\n\1raise NotImplementedError\(\)$", re.M)  # nbgrader's, indented
+
+
+def chapter(path: Path) -> nbformat.NotebookNode:
+    return nbformat.read(path, as_version=4)
+
+
+def stubs(nb: nbformat.NotebookNode) -> int:
+    return sum(len(STUB.findall(c.source)) for c in nb.cells if c.cell_type == "code")
+
+
+def put_back(lab_source: str, chapter_source: str) -> str:
+    """The lab cell with the chapter's regions (markers and bodies) in place of its stubs, in order."""
+    lines, regions = chapter_source.split("\n"), handout.find_regions(chapter_source)
+    out, lab_lines, i = [], lab_source.split("\n"), 0
+    for r in regions:
+        stub = [r.indent + s for s in handout.STUB]
+        while lab_lines[i:i + len(stub)] != stub:
+            out.append(lab_lines[i])
+            i += 1
+        out += lines[r.begin:r.end + 1]
+        i += len(stub)
+    return "\n".join(out + lab_lines[i:])
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem)
+def test_regions_are_marked_and_the_lab_edition_stubs_each(path):
+    nb = chapter(path)
+    regions = handout.notebook_regions(nb, path.name)  # raises for a region outside an nbgrader solution cell
+    lab = handout.lab_edition(chapter(path), path.name)
+    assert stubs(lab) - stubs(nb) == len(regions), f"{path.name}: a stub per region"
+    assert handout.notebook_regions(lab) == [], "the lab edition holds no region"
+    ids = [c.metadata["nbgrader"]["grade_id"] for c in nb.cells if "nbgrader" in c.metadata]
+    assert len(ids) == len(set(ids)), f"{path.name}: nbgrader's grade_id must be unique in a notebook"
+    if path.name.startswith("03"):
+        assert len(regions) >= 6, [r.name for r in regions]
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem)
+def test_every_region_keeps_a_docstring_and_has_a_check_cell(path):
+    """The stub keeps the def and the docstring above the region (what to write); a cell after the region's cell
+    calls lab.check with the region's name, which lab_checks.py knows."""
+    nb = chapter(path)
+    for i, cell in enumerate(nb.cells):
+        regions = handout.find_regions(cell.source) if cell.cell_type == "code" else []
+        lines = cell.source.split("\n")
+        for r in regions:
+            assert lines[r.begin - 1].rstrip().endswith('"""'), f"{path.name} {r.name}: a docstring ends above it"
+            assert r.name in lab_checks.CHECKS, f"{path.name} {r.name}: no check in lab_checks.py"
+            later = [n for c in nb.cells[i + 1:] if c.cell_type == "code" for n in CHECK_CALL.findall(c.source)]
+            assert r.name in later, f"{path.name} {r.name}: no lab.check({r.name!r}, ...) cell after the region"
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem)
+def test_the_solutions_put_back_give_the_chapter(path):
+    nb, lab = handout.strip_outputs(chapter(path)), handout.lab_edition(chapter(path), path.name)
+    for lab_cell, chapter_cell in zip(lab.cells, nb.cells):
+        lab_cell.source = put_back(lab_cell.source, chapter_cell.source)
+    assert nbformat.writes(lab) == nbformat.writes(nb)
+
+
+def test_the_stripper_follows_nbgraders_rules():
+    source = ('def f(x):\n    """Twice x."""\n    ### BEGIN SOLUTION\n    y = 2 * x\n    return y\n'
+              '    ### END SOLUTION\n')
+    cleared, regions = handout.clear_regions(source)
+    assert cleared == "def f(x):\n    \"\"\"Twice x.\"\"\"\n    # YOUR CODE HERE\n    raise NotImplementedError()\n"
+    assert [(r.name, r.begin, r.end) for r in regions] == [("f", 2, 5)]
+    for bad, message in (("### BEGIN SOLUTION\n### BEGIN SOLUTION\n", "inside the region opened on line 1"),
+                         ("x = 1\n### BEGIN SOLUTION\n", "line 2: BEGIN SOLUTION without an END"),
+                         ("### END SOLUTION\n", "line 1: END SOLUTION without a BEGIN")):
+        with pytest.raises(ValueError, match=message):
+            handout.clear_regions(bad, "x.ipynb, cell 3")
+    unmarked = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(source)])
+    with pytest.raises(ValueError, match="x.ipynb, cell 0: a solution region in a cell without nbgrader"):
+        handout.lab_edition(unmarked, "x.ipynb")
+
+
+def run_chapter_until_check(path: Path, name: str, body: str | None) -> None:
+    """Execute the chapter's code cells in this process, region `name` written as `body`, up to and including the
+    first cell that checks it (the cells before it run as they are)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    nb, namespace, planted = chapter(path), {}, False
+    for cell in (c for c in nb.cells if c.cell_type == "code"):
+        regions = [r for r in handout.find_regions(cell.source) if r.name == name]
+        source = cell.source
+        if regions and body is not None:
+            lines, r = source.split("\n"), regions[0]
+            written = [r.indent + line if line else line for line in body.split("\n")]
+            source, planted = "\n".join(lines[:r.begin + 1] + written + lines[r.end:]), True
+        exec(compile(source, f"{path.name} cell {cell.get('id')}", "exec"), namespace)
+        if name in CHECK_CALL.findall(cell.source):
+            assert planted or body is None, f"region {name} not found in {path.name}"
+            return
+    raise AssertionError(f"no check cell for {name} in {path.name}")
+
+
+ATTENTION_WITHOUT_MASK = '''b, t, _ = x.shape
+q, k, v = self.heads(x)
+q, k = apply_rope(q, k, cos, sin)
+k, v = repeat_kv(k, self.n_rep), repeat_kv(v, self.n_rep)
+y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+return self.o_proj(y.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))'''
+
+# Planted mistakes: chapter, region, the region's body as a learner might write it, what the check's message must
+# name. A chapter owner adds a row per usual mistake of the chapter's regions (04: accumulation averaging per
+# micro-batch; 08: top-p keeping the wrong side).
+PLANTED = [
+    ("03_model", "RMSNorm.forward",
+     "xf = x.float()\nreturn self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True))).type_as(x)",
+     r"without eps"),
+    ("03_model", "rotate_half", "x1, x2 = x.chunk(2, dim=-1)\nreturn torch.cat([x2, -x1], dim=-1)", r"wrong half"),
+    ("03_model", "rotate_half", "return torch.stack([-x[..., 1::2], x[..., ::2]], -1).flatten(-2)",
+     r"neighbouring dimensions"),
+    ("03_model", "Attention.forward", ATTENTION_WITHOUT_MASK, r"causal mask"),
+    ("03_model", "repeat_kv", "return x.repeat(1, 1, n_rep, 1)", r"h // n_rep"),
+]
+
+
+@pytest.mark.parametrize("chapter_name, name, body, names_it", PLANTED, ids=lambda v: str(v)[:24])
+def test_a_planted_mistake_is_caught_and_named(chapter_name, name, body, names_it, monkeypatch):
+    monkeypatch.setenv("MINIMIND_PROFILE", "smoke")
+    with pytest.raises(NotRightYet) as caught:
+        run_chapter_until_check(NB_DIR / f"{chapter_name}.ipynb", name, body)
+    message = str(caught.value)
+    assert message.startswith(f"{name}: not right yet: ") and re.search(names_it, message), message
+    assert re.search(r"differs first at index \(\d+(, \d+)*\): yours .*, the library's ", message), message
+    assert "Hint: " in message
+
+
+def test_a_stub_says_not_written_and_the_notebook_goes_on(capsys, monkeypatch):
+    """Region by region, a stub's check prints the not-written line with a hint and returns a working version."""
+    monkeypatch.setenv("MINIMIND_PROFILE", "smoke")
+    run_chapter_until_check(NB_DIR / "03_model.ipynb", "Decoder.forward", None)  # the chapter: every check passes
+    regions = handout.notebook_regions(chapter(NB_DIR / "03_model.ipynb"))
+    assert capsys.readouterr().out.count(": passed (equal to minimind_lib's") == len(regions)
+    stub = "raise NotImplementedError()"
+    run_chapter_until_check(NB_DIR / "03_model.ipynb", "RMSNorm.forward", stub)
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("RMSNorm.forward: "))
+    assert line.startswith("RMSNorm.forward: not written yet. Hint: ") and "minimind_lib's version" in line
+    assert "rsqrt" not in line and "xf" not in line  # the hint never gives the code
