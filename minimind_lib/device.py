@@ -14,21 +14,17 @@ _NATIVE_CPU_FLAGS = {torch.bfloat16: {"avx512_bf16", "amx_bf16", "bf16"},  # /pr
 
 
 def get_device(prefer: str | None = None) -> torch.device:
-    """The best device available: cuda > mps > cpu (or `prefer`, or env MINIMIND_DEVICE); CUDA: prepare_cuda() too."""
+    """The best device available: cuda > mps > cpu (or `prefer`, or env MINIMIND_DEVICE). CUDA, set up before it first
+    allocates: expandable segments (unless PYTORCH_CUDA_ALLOC_CONF is set): one segment that grows by mapping pages,
+    so memory a batch of one shape frees serves the next shape and reserved memory stays near allocated (notebook 06);
+    TF32 for fp32 matmuls (Ampere on, fp32 accumulation; notebook 05)."""
     best = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
     device = torch.device(prefer or os.environ.get("MINIMIND_DEVICE") or best)
-    if device.type == "cuda":
-        prepare_cuda()
-    return device
-
-
-def prepare_cuda() -> None:
-    """Expandable segments, unless PYTORCH_CUDA_ALLOC_CONF is set (read at CUDA's first allocation): one segment that
-    grows by mapping pages, so memory freed by a batch of one shape serves the next shape and reserved memory stays
-    near allocated (notebook 06). And TF32 for fp32 matmuls (Ampere on: fp32 accumulation; notebook 05)."""
-    if not torch.cuda.is_initialized():  # afterwards the allocator has read its settings: nothing to change
+    if device.type == "cuda" and not torch.cuda.is_initialized():  # later the allocator has read its settings
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    torch.backends.cuda.matmul.allow_tf32 = True
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+    return device
 
 
 def _cpuinfo(prefixes: tuple[str, ...]) -> list[str] | None:

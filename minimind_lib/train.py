@@ -126,7 +126,7 @@ def optimizer_step(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tens
     if scaler is not None:
         scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
     grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip or float("inf"))
-    finite = torch.isfinite(grad_norm) if loss_sum is None else torch.isfinite(grad_norm) & torch.isfinite(loss_sum)
+    finite = torch.isfinite(grad_norm) & torch.isfinite(torch.as_tensor(0.0 if loss_sum is None else loss_sum))
     if scaler is not None:
         scaler.step(optimizer)  # skipped inside when the gradients hold inf/NaN
         scaler.update()  # halves the scale after an overflow, doubles it after growth_interval good steps
@@ -364,7 +364,7 @@ class _Run:
             return math.nan, False, math.nan
         params = [p for p in self.model.parameters() if p.requires_grad]
         grad_norm, finite = optimizer_step(self.optimizer, params, self.cfg.grad_clip, self.scaler, loss_sum)
-        return grad_norm, finite, math.nan if self.scaler is None else self.scaler._get_scale_async().clone()
+        return grad_norm, finite, math.nan if self.scaler is None else self.scaler._get_scale_async().clone()  # unread
 
     def train_step(self) -> dict | None:
         """One optimizer step (its pieces above); its metrics row, the device's values still unread (None: no data)."""
@@ -379,7 +379,7 @@ class _Run:
             if (items := self.next_items()) is None:
                 return None
             stats = self.forward_backward(items)
-            grad_norm, finite, scale = self.update(stats["loss_sum"], stats["n_tokens"])  # scale: get_scale() syncs
+            grad_norm, finite, scale = self.update(stats["loss_sum"], stats["n_tokens"])
         row = {"step": self.step, "loss": math.nan, "lr": lr, "grad_norm": grad_norm, "tokens": stats["n_tokens"],
                "applied": False, "tokens_per_s": math.nan,
                "peak_memory_bytes": math.nan if self.meter is None else float(self.meter.peak()),

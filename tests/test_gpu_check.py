@@ -48,10 +48,10 @@ def test_gpu_profile_without_cuda_stops_at_once(tmp_path):
 
 def test_smoke_run_finishes_and_archives_every_output(tmp_path):
     """The whole script on a CPU in the smoke profile (what a GPU run executes, in tiny sizes): every benchmark's JSON,
-    the executed notebooks and their cell timings land in the archive, status.txt says what ran and what was cut (03
-    is given 3 seconds, so that the deadline path runs too), and nothing is written to docs/timings."""
+    the executed notebooks and their cell timings land in the archive, status.txt says what ran and what was cut (07
+    runs, 03 is given 3 seconds so that the deadline path runs too), and nothing is written to docs/timings."""
     timings_before = {p.name: p.read_bytes() for p in (ROOT / "docs" / "timings").glob("*.json")}
-    env = {**os.environ, "MINIMIND_PROFILE": "smoke", "GPU_CHECK_NOTEBOOKS": "07:600 08:600 03:3"}
+    env = {**os.environ, "MINIMIND_PROFILE": "smoke", "GPU_CHECK_NOTEBOOKS": "07:600 03:3"}
     r = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), str(tmp_path / "out")], env=env,
                        capture_output=True, text=True, timeout=1800)
     status = (tmp_path / "out" / "work" / "status.txt").read_text()
@@ -67,16 +67,18 @@ def test_smoke_run_finishes_and_archives_every_output(tmp_path):
             read("bench_throughput.json")).keys()
         assert set(json.loads(read("bench_throughput_ablation.json"))["levers"]) == {"loop", "padding", "dtype",
                                                                                      "optimizer"}
-        assert "bench_throughput_compile (" in status  # measured or, in its few seconds, noted as not measured
-        for nb in ("07_pretrain", "08_sft", "03_model"):
+        # measured, or (in its few seconds, on a CPU) noted as not measured: not a failure
+        assert re.search(r"ran: bench bench_throughput_compile \(|cut: bench bench_throughput_compile, not measured",
+                         status), status
+        for nb in ("07_pretrain", "03_model"):
             assert f"./notebooks/{nb}.ipynb" in names
-        assert "ran: notebook 07" in status and "ran: notebook 08" in status
+        assert "ran: notebook 07" in status
         assert "cut: notebook 03 at its 3s deadline" in status and "CellTimeoutError" in read("course_03.json")
         cut = nbformat.reads(read("notebooks/03_model.ipynb"), as_version=4)
         unrun = [c for c in cut.cells if c.cell_type == "code" and c.execution_count is None]
         assert unrun and not any(c.outputs for c in unrun)  # cut: the cells it never ran show no older run's outputs
         timings = json.loads(read("timings/smoke.json"))["notebooks"]
-        assert {"07_pretrain.ipynb", "08_sft.ipynb"} <= set(timings) and timings["07_pretrain.ipynb"]["cells"]
+        assert {"07_pretrain.ipynb", "03_model.ipynb"} <= set(timings) and timings["07_pretrain.ipynb"]["cells"]
         assert "./runs/smoke/pretrain/metrics.csv" in names and not [n for n in names if n.endswith((".pt", ".pth"))]
     assert "not run: 00_setup 01_tokenizer 02_data 09_beyond_one_gpu" in status
     assert {p.name: p.read_bytes() for p in (ROOT / "docs" / "timings").glob("*.json")} == timings_before
