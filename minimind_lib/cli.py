@@ -1,4 +1,4 @@
-"""The command line of notebooks 07_pretrain and 08_sft: `python -m minimind_lib info|pretrain|sft|chat ...`.
+"""The command line of notebooks 07_pretrain and 08_sft: `python -m minimind_lib info|pretrain|sft|chat|compare|eval`.
 
 It calls the same functions as the notebooks (pipeline.pretrain/sft, checkpoint.load_run, generate.chat): no copy
 of their logic; `--help` on each command lists its options. Every bad input (a zero or negative size, missing or
@@ -19,6 +19,7 @@ import torch
 
 from .checkpoint import load_run
 from .device import device_report
+from .evaluate import compare_run, describe_ladder, evaluate_model
 from .export import DTYPES, export_run, import_hf
 from .generate import chat
 from .model import PRESETS
@@ -145,8 +146,24 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_compare(args: argparse.Namespace) -> int:
+    """The run's verdict against its profile's band: exit 0 inside or below, 1 above or diverged (with reasons)."""
+    v = compare_run(args.run_dir)
+    lines = [v["summary"], *(f"  {f['cause']}: {f['evidence']}" for f in v["findings"]),
+             *(f"  note: {n}" for n in v["notes"])]
+    print(json.dumps(v, indent=2, default=str) if args.json else "\n".join(lines))
+    return v["exit_code"]
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    """The evaluation ladder of a run directory or a transformers export, as a table or JSON."""
+    result = evaluate_model(args.path, args.data, args.seq_len, args.reply_tokens, args.replies)
+    print(json.dumps(result, indent=2, ensure_ascii=False) if args.json else describe_ladder(result))
+    return 0
+
+
 def add_subcommands(subparsers) -> None:
-    """Register info, pretrain, sft, chat, export and import-hf on an argparse subparsers object."""
+    """Register info, pretrain, sft, chat, export, import-hf, compare and eval on an argparse subparsers object."""
     i = subparsers.add_parser("info", help="print device and profile facts as JSON")
     i.add_argument("--profile", default=None, help="profile name (default: MINIMIND_PROFILE or auto)")
     i.add_argument("--compact", action="store_true", help="one-line JSON")
@@ -176,6 +193,19 @@ def add_subcommands(subparsers) -> None:
     for parser in (e, h):
         parser.add_argument("--overwrite", action="store_true", help="replace what the same command wrote there")
         parser.set_defaults(func=cmd_export)
+    m = subparsers.add_parser("compare", help="is a run healthy? its validation loss against its profile's band")
+    m.add_argument("run_dir", help="a run directory (config.json, metrics.csv)")
+    m.set_defaults(func=cmd_compare)
+    v = subparsers.add_parser("eval", help="what did a model learn? the evaluation ladder on held-out data")
+    v.add_argument("path", help="a run directory, or a transformers directory written by export")
+    v.add_argument("--data", default=None, help="a {'text'} jsonl for the held-out text, or a {'conversations'} "
+                   "jsonl for the held-out conversations (default: the run's held-out data)")
+    v.add_argument("--seq-len", type=POSITIVE, default=None, help="context in tokens (default: the run's seq_len)")
+    v.add_argument("--reply-tokens", type=POSITIVE, default=64, help="reply budget after SFT (default 64)")
+    v.add_argument("--replies", type=POSITIVE, default=100, help="replies generated after SFT, at most (default 100)")
+    v.set_defaults(func=cmd_eval)
+    for parser in (m, v):
+        parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def build_parser() -> argparse.ArgumentParser:
