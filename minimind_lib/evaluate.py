@@ -17,10 +17,12 @@ from typing import Any
 import numpy as np
 import pandas as pd
 import torch
+import torch.nn.functional as F
 
 from .checkpoint import METRICS_FILE, RunError, load_run, read_run_config
 from .corpus import PAYLOAD, JsonlReader, tokenize_samples
 from .data import holdout_indices, pad_collate
+from .fileio import file_fingerprint
 from .generate import chat_reply
 from .paths import ASSETS_DIR, DATA_DIR, find_data_file
 from .pipeline import applied
@@ -37,9 +39,11 @@ BLOWUP_NATS = 0.5  # a loss this far above ln(vocab), the loss of uniform guessi
 def comparable(cfg: dict) -> dict:
     """What a run's validation loss measures besides its training: model, tokenizer, validation data, batching."""
     held_out = cfg["stage"] == "sft" and not cfg.get("val_data")  # SFT's 5% of the training file
+    path = cfg.get("data" if held_out else "val_data")  # notebooks 07/08 record the file, the CLI its fingerprint too
     return {"stage": cfg["stage"], "model": cfg["model"], "tokenizer": cfg["tokenizer"]["fingerprint"],
             "seq_len": cfg.get("seq_len"), "max_tokens": cfg.get("max_tokens"), "val_batches": cfg.get("val_batches"),
-            "validation data": cfg.get("data_fingerprint" if held_out else "val_data_fingerprint"),
+            "validation data": cfg.get("data_fingerprint" if held_out else "val_data_fingerprint")
+            or (file_fingerprint(path) if path and Path(path).is_file() else None),
             **({"max_samples": cfg.get("max_samples")} if held_out else {})}
 
 
@@ -165,9 +169,9 @@ def judge(df: pd.DataFrame, cfg: dict) -> dict:
                    + ("; better than every reference seed (more steps or another lr?)" if verdict == "below" else ""))
     notes = [f"{k}: this run {cfg['train'][k]!r}, the band's runs {v!r}" for k, v in ref["training"].items()
              if cfg["train"].get(k) != v]
-    if (cfg.get("device"), cfg["amp"]["resolved"]) != (mb["device"], ref["dtype"]):
-        notes.append(f"the band comes from {mb['device']} {ref['dtype']}, this run from {cfg.get('device')} "
-                     f"{cfg['amp']['resolved']}: device and dtype alone move the loss a little")
+    if (run := (cfg.get("device"), (cfg.get("amp") or {}).get("resolved"))) != (mb["device"], ref["dtype"]):
+        notes.append(f"the band comes from {mb['device']} {ref['dtype']}, this run from {run[0]} {run[1] or ''}: "
+                     f"device and dtype alone move the loss a little")
     if len(judged) < len(val):
         notes.append(f"{len(val) - len(judged)} validation point(s) past the band's last {int(tokens[-1]):,} tokens "
                      f"are not judged")
@@ -216,16 +220,19 @@ def load_model(path: str | Path, device: str = "cpu") -> tuple[torch.nn.Module, 
 
 
 @torch.no_grad()
-def token_scores(model: torch.nn.Module, rows: list[np.ndarray], batch: int = 16) -> list[tuple[np.ndarray, ...]]:
-    """For each row of ids: the loss (nats) of every next token and its rank among the model's predictions (0: the
-    most likely), in fp32; batches are right-padded, which a causal model's real positions never see."""
+def token_scores(model: torch.nn.Module, rows: list[np.ndarray], last: int = 0, batch: int = 16) -> list[tuple]:
+    """For each row of ids: the loss (nats) of every next token and its rank among the model's predictions, counted
+    up to 5 (0: the most likely; 5: not in the top 5), in fp32; batches are right-padded, which a causal model's real
+    positions never see. last > 0: only the last `last` tokens of rows of one length (no logits for the others)."""
     out, device = [], next(model.parameters()).device
     for i in range(0, len(rows), batch):
         ids = pad_collate([{"input_ids": torch.as_tensor(r)} for r in rows[i:i + batch]])["input_ids"].to(device)
-        logits = model(ids).logits[:, :-1].float()
-        target = logits.gather(-1, ids[:, 1:, None])
-        nll, rank = (logits.logsumexp(-1) - target[..., 0]).cpu().numpy(), (logits > target).sum(-1).cpu().numpy()
-        out += [(nll[k, :len(r) - 1], rank[k, :len(r) - 1]) for k, r in enumerate(rows[i:i + batch])]
+        logits = model(ids, logits_to_keep=last + 1 if last else 0).logits[:, :-1].float()
+        target = ids[:, -logits.shape[1]:]
+        nll = F.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="none").view(target.shape)
+        rank = (logits.topk(5, dim=-1).values > logits.gather(-1, target[..., None])).sum(-1)  # topk: a third of sort
+        out += [(n[:len(r) - 1], k[:len(r) - 1]) for n, k, r in zip(nll.cpu().numpy(), rank.cpu().numpy(),
+                                                                   rows[i:i + batch])]
     return out
 
 
@@ -260,16 +267,18 @@ def text_ids(tok: Any, docs: list[dict]) -> list[np.ndarray]:
     return [s[:-1] for s in np.split(flat, np.cumsum(lengths)[:-1])]
 
 
-def text_ladder(model: torch.nn.Module, tok: Any, docs: list[dict], train_texts: list[str], seq_len: int) -> dict:
+def text_ladder(model: torch.nn.Module, tok: Any, docs: list[dict], seq_len: int,
+                train_texts: list[str] | None = None) -> dict:
     """The text rungs on held-out documents {"text"[, "source"]}: every token after [bos] scored once, in windows of
-    seq_len tokens overlapping by one (as training chunks documents), by the model and by the n-gram baselines; per
-    language and source: loss, bits per byte (total nats / (ln 2 x UTF-8 bytes)), top-1 and top-5 accuracy."""
+    seq_len tokens overlapping by one (as training chunks documents), by the model and (given their training texts)
+    the n-gram baselines; per language and source: loss, bits per byte (total nats / (ln 2 x UTF-8 bytes)), top-1
+    and top-5 accuracy."""
     ids = text_ids(tok, docs)
     rows = [(k, s[a:a + seq_len]) for k, s in enumerate(ids) for a in range(0, max(1, len(s) - 1), seq_len - 1)]
     doc_of = np.repeat([k for k, _ in rows], [len(r) - 1 for _, r in rows])
     prev, nxt = np.concatenate([r[:-1] for _, r in rows]), np.concatenate([r[1:] for _, r in rows])
-    scorers = {"model": tuple(map(np.concatenate, zip(*token_scores(model, [r for _, r in rows])))),
-               **ngram_scores(tokenize_samples("pretrain", train_texts, tok)[0], prev, nxt, model.config.vocab_size)}
+    scorers = {"model": tuple(map(np.concatenate, zip(*token_scores(model, [r for _, r in rows])))), **(ngram_scores(
+        tokenize_samples("pretrain", train_texts, tok)[0], prev, nxt, model.config.vocab_size) if train_texts else {})}
     n_bytes, langs = np.array([len(d["text"].encode()) for d in docs]), [language(d["text"]) for d in docs]
     groups = {"all": np.ones(len(docs), bool), **{f"language: {v}": np.array(langs) == v for v in sorted(set(langs))},
               **{f"source: {v}": np.array([str(d.get("source")) == v for d in docs]) for v in sorted(
@@ -292,8 +301,9 @@ def two_choice(model: torch.nn.Module, tok: Any, docs: list[dict], half: int = H
     pairs = [(g[i], g[i + 1]) for g in by_lang for i in range(0, len(g) - 1, 2)]
     cont = lambda k: ids[k][half + 1:2 * half + 1]  # noqa: E731  (ids[k][:half + 1]: [bos] + the passage)
     rows = [np.concatenate([ids[p][:half + 1], cont(c)]) for a, b in pairs for p, c in ((a, a), (a, b), (b, b), (b, a))]
-    rows += [np.concatenate([ids[c][:1], cont(c)]) for a, b in pairs for c in (a, b, b, a)]  # [bos] + continuation
-    ll = np.array([-nll[-half:].sum() for nll, _ in token_scores(model, rows)]).reshape(2, -1, 2)
+    alone = [np.concatenate([ids[c][:1], cont(c)]) for a, b in pairs for c in (a, b, b, a)]  # [bos] + continuation
+    ll = np.array([-nll.sum() for nll, _ in token_scores(model, rows, half) + token_scores(model, alone, half)])
+    ll = ll.reshape(2, -1, 2)
     gain = (ll[0] - ll[1]) @ np.array([1.0, -1.0])  # > 0: the passage raised its own continuation more
     result = share(float((gain > 0).sum() + 0.5 * (gain == 0).sum()), len(gain))
     low, high = result["interval95"]
@@ -340,7 +350,7 @@ def held_out(cfg: dict | None, data: str | Path | None) -> tuple[Path, tuple, li
     if data is not None and kind is None:
         raise RunError(f"{data}: no usable text: " + ("no record in the file" if first is None else
                                                       "its first record holds neither 'text' nor 'conversations'"))
-    cfg = cfg or {}
+    cfg, convs = cfg or {}, None
     stage, pre = cfg.get("stage"), cfg.get("stage") == "pretrain"
     text = data if kind == "pretrain" else cfg.get("val_data") if pre else None
     train = (cfg["data"], cfg.get("max_samples")) if pre else (find_data_file("pretrain"), None)
@@ -349,7 +359,7 @@ def held_out(cfg: dict | None, data: str | Path | None) -> tuple[Path, tuple, li
     elif stage == "sft":  # the run's own held-out 5% of its SFT file
         convs = _records(cfg["data"], "sft", cfg.get("max_samples"))
         convs = [convs[i] for i in holdout_indices(len(convs), cfg["train"]["seed"])[1]]
-    return Path(text or DATA_DIR / "pretrain_val.jsonl"), train, convs if kind == "sft" or stage == "sft" else None
+    return Path(text or DATA_DIR / "pretrain_val.jsonl"), train, convs
 
 
 def evaluate_model(path: str | Path, data: str | Path | None = None, seq_len: int | None = None,
@@ -357,14 +367,14 @@ def evaluate_model(path: str | Path, data: str | Path | None = None, seq_len: in
     """`python -m minimind_lib eval PATH`: the ladder of a run directory or a transformers export, in fp32 (see
     held_out for the data; seq_len, the context: the run's, for an export the selected profile's)."""
     model, tok, cfg = load_model(path, device)
-    cfg = cfg if (cfg or {}).get("stage") in ("pretrain", "sft") else None  # an imported model: no training record
-    seq_len = seq_len or (cfg or {}).get("seq_len") or get_profile().seq_len
-    text, (train, cap), convs = held_out(cfg, data)
+    trained = cfg if (cfg or {}).get("stage") in ("pretrain", "sft") else None  # import-hf's runs record no training
+    seq_len = seq_len or (trained or {}).get("seq_len") or get_profile().seq_len
+    text, (train, cap), convs = held_out(trained, data)
     docs = _records(text, "pretrain")
     choice, train_texts = two_choice(model, tok, docs), [r["text"] for r in _records(train, "pretrain", cap)]
-    result = {"model": str(path), "kind": "run" if cfg else "transformers", "text_data": str(text), "context": seq_len,
-              "documents": len(docs), "baselines_from": f"{train} ({len(train_texts)} documents)",
-              "table": text_ladder(model, tok, docs, train_texts, seq_len), "two_choice": choice}
+    result = {"model": str(path), "kind": "transformers" if cfg is None else "run", "text_data": str(text),
+              "context": seq_len, "documents": len(docs), "baselines_from": f"{train} ({len(train_texts)} documents)",
+              "table": text_ladder(model, tok, docs, seq_len, train_texts), "two_choice": choice}
     if convs is not None:
         result["chat"] = chat_ladder(model, tok, [r["conversations"] for r in convs], seq_len, reply_tokens, replies)
     return result
@@ -378,13 +388,15 @@ def ladder_table(result: dict) -> pd.DataFrame:
 
 def describe_ladder(r: dict) -> str:
     """An evaluate_model result as text: the table, the two-choice test and the reply format, with intervals."""
-    pct = lambda s: f"{s['share']:.1%} of {s['of']} (95% interval {s['interval95'][0]:.1%}-{s['interval95'][1]:.1%})"  # noqa: E731
+    def pct(s: dict) -> str:
+        return f"{s['share']:.1%} of {s['of']} (95% interval {s['interval95'][0]:.1%}-{s['interval95'][1]:.1%})"
     t, c = r["two_choice"], r.get("chat", {})
-    return "\n".join([f"{r['model']} ({r['kind']}): {r['documents']} documents of {r['text_data']}, context "
-                      f"{r['context']} tokens; baselines from {r['baselines_from']}",
-                      ladder_table(r).to_string(index=False),
-                      f"two-choice continuation ({t['tokens']} tokens, {t['pairs']} pairs asked both ways): {pct(t)}, "
-                      f"chance 50%: {t['verdict']} (plain log-likelihood: {pct(t['plain_log_likelihood'])})"] + (
-        [f"after SFT, {c['conversations']} held-out conversations: assistant-token loss {c['assistant_loss']:.3f}; "
-         f"greedy replies ending with <|im_end|> within {c['reply_budget']} tokens: {pct(c['ended_with_im_end'])}; "
-         f"in the question's language: {pct(c['same_language'])}"] if "ended_with_im_end" in c else []))
+    lines = [f"{r['model']} ({r['kind']}): {r['documents']} documents of {r['text_data']}, context {r['context']} "
+             f"tokens; baselines from {r['baselines_from']}", ladder_table(r).to_string(index=False),
+             f"two-choice continuation ({t['tokens']} tokens, {t['pairs']} pairs asked both ways): {pct(t)}, chance "
+             f"50%: {t['verdict']} (plain log-likelihood: {pct(t['plain_log_likelihood'])})"]
+    if "ended_with_im_end" in c:
+        lines.append(f"after SFT, {c['conversations']} held-out conversations: assistant-token loss "
+                     f"{c['assistant_loss']:.3f}; greedy replies ending with <|im_end|> within {c['reply_budget']} "
+                     f"tokens: {pct(c['ended_with_im_end'])}; in the question's language: {pct(c['same_language'])}")
+    return "\n".join(lines)

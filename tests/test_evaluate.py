@@ -182,7 +182,7 @@ def test_bits_per_byte_and_accuracy_by_hand(runs):
             nats[lang] = nats.get(lang, 0.0) + float(torch.logsumexp(logits, 0) - logits[ids[t]])
             hits1, n = hits1 + int(logits.argmax() == ids[t]), n + 1
         n_bytes[ev.language(d["text"])] = n_bytes.get(ev.language(d["text"]), 0) + len(d["text"].encode("utf-8"))
-    table = ev.text_ladder(model, tok, docs, ["a tiny training text", "床前"], seq_len)["model"]
+    table = ev.text_ladder(model, tok, docs, seq_len, ["a tiny training text", "床前"])["model"]
     for lang in ("English", "Chinese"):
         assert table[f"language: {lang}"]["bits_per_byte"] == pytest.approx(
             nats[lang] / math.log(2) / n_bytes[lang], abs=2e-4)
