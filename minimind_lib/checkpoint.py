@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from .corpus import tokenizer_fingerprint
-from .fileio import TMP_PREFIX, atomic_open, atomic_write_text
+from .fileio import PREFIX, TMP_PREFIX, atomic_open, atomic_write_text
 from .model import MiniMindConfig, MiniMindForCausalLM, check_state_dict, load_checkpoint, unreadable_checkpoint
 from .tokenizer import CONFIG_FILE as TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, check_vocab, load_tokenizer
 
@@ -172,7 +172,8 @@ def read_run_config(run_dir: str | Path) -> dict:
     """OUT/config.json of a run directory, validated; FileNotFoundError/RunError name the file."""
     run_dir, path = Path(run_dir), Path(run_dir) / CONFIG_FILE
     if not run_dir.is_dir():
-        raise FileNotFoundError(f"run directory not found: {run_dir}")
+        raise FileNotFoundError(f"{run_dir} is a file, not a run directory" if run_dir.exists()
+                                else f"run directory not found: {run_dir}")
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: {run_dir} is not a run directory (it needs {CONFIG_FILE}, "
                                 f"{MODEL_FILE} and {TOKENIZER_DIR}/)")
@@ -187,9 +188,9 @@ def read_run_config(run_dir: str | Path) -> dict:
     return cfg
 
 
-def check_out_dir(out: Path, resume: bool, overwrite: bool) -> None:
+def check_out_dir(out: Path, resume: bool, overwrite: bool, resumable: bool = True) -> None:
     """Refuse to clobber an existing run unless resuming it or told to overwrite, and to replace a tokenizer/ that
-    holds files this program does not write there (they are the user's)."""
+    holds files this program does not write there (they are the user's); resumable: the command has --resume."""
     tok_dir, ours = out / TOKENIZER_DIR, {TOKENIZER_FILE, TOKENIZER_CONFIG_FILE}
     if tok_dir.exists() and (not (out / CONFIG_FILE).is_file() or not tok_dir.is_dir()
                              or {p.name for p in tok_dir.iterdir()} - ours):
@@ -208,8 +209,26 @@ def check_out_dir(out: Path, resume: bool, overwrite: bool) -> None:
             raise RunError(f"--overwrite replaces a run of this program only, and {out} is none ({e}); nothing was "
                            f"removed: move {', '.join(existing)} away or choose another --out") from None
     if existing and not overwrite:
-        raise RunError(f"{out} already holds a run ({', '.join(existing)}); pass --resume to continue it, "
+        raise RunError(f"{out} already holds a run ({', '.join(existing)}); pass {'--resume to continue it, ' * resumable}"
                        f"--overwrite to replace it, or choose another --out")
+
+
+def check_target(path: str | os.PathLike, flag: str) -> Path:
+    """The directory a command writes: never '' or the working directory, where its files would mix with others."""
+    if not str(path).strip() or Path(path).resolve() == Path.cwd().resolve():
+        raise RunError(f"{flag} {str(path)!r} is the working directory ({Path.cwd()}); name a directory of its own")
+    return Path(path)
+
+
+def check_other_files(out: Path, ours: Iterable[str], allowed: bool, replaced: Iterable[str] = ()) -> None:
+    """Refuse a directory holding files this program did not write (`ours`, its PREFIX files): written beside only
+    when allowed, never over (`replaced`: the names the command writes)."""
+    other = sorted(p.name for p in out.iterdir() if p.name not in set(ours) and not p.name.startswith(PREFIX))
+    clash = sorted(set(other) & set(replaced))
+    if clash or other and not allowed:
+        hint = f"it would replace {', '.join(clash)}" if clash else "--allow-other-files writes beside them, kept"
+        raise RunError(f"{out} holds {', '.join(other[:5])}{' ...' * (len(other) > 5)}, which this command did not "
+                       f"write ({hint}): move them away or choose another directory")
 
 
 def check_resume(out: Path, run_cfg: dict, cfg: Any, dinfo: Any) -> dict | None:
@@ -255,11 +274,11 @@ def load_run(run_dir: str | Path, device: torch.device | str | None = None):
     cfg = read_run_config(run_dir := Path(run_dir))
     if not (run_dir / MODEL_FILE).is_file():
         raise FileNotFoundError(f"checkpoint not found: {run_dir / MODEL_FILE} (did the run in {run_dir} finish?)")
-    tok, mcfg = load_tokenizer(run_dir / TOKENIZER_DIR), MiniMindConfig.from_dict(cfg["model"])
     try:
-        check_vocab(tok, mcfg.vocab_size)
-    except ValueError as e:
-        raise RunError(f"{run_dir}: {e}") from None
+        mcfg = MiniMindConfig.from_dict(cfg["model"])
+    except (ValueError, TypeError) as e:  # TypeError: "model" is not an object
+        raise RunError(f"{run_dir / CONFIG_FILE}: 'model': {e}") from None
+    check_vocab(tok := load_tokenizer(run_dir / TOKENIZER_DIR), mcfg.vocab_size)  # the message names its directory
     fp = cfg["tokenizer"].get("fingerprint")
     if fp and fp != tokenizer_fingerprint(tok):
         raise RunError(f"{run_dir / TOKENIZER_DIR}: this tokenizer is not the one the model was trained with "
@@ -269,15 +288,16 @@ def load_run(run_dir: str | Path, device: torch.device | str | None = None):
     return (model if device is None else model.to(device)).eval(), tok, cfg
 
 
-def start_run_dir(out: Path, run_cfg: dict, tok: Any, resume: bool) -> None:
-    """Write config.json and tokenizer/ (a fresh run first removes a replaced run's files, any run its stale temps)."""
+def start_run_dir(out: Path, run_cfg: dict, tok: Any, resume: bool, keep: Iterable[str] = ()) -> None:
+    """Write config.json and tokenizer/ (a fresh run first removes a replaced run's files but `keep`, written anew
+    already; any run its stale temps)."""
     out.mkdir(parents=True, exist_ok=True)
     with contextlib.suppress(FileNotFoundError, RunError):  # a run directory of this program: TMP_PREFIX files are
         read_run_config(out)  # what an interrupted write of ours left there
         for stale in out.glob(TMP_PREFIX + "*"):
             shutil.rmtree(stale) if stale.is_dir() else stale.unlink()
     if not resume:  # --overwrite: a stale last.pt or metrics.csv must not survive into the new run
-        for name in RUN_FILES:
+        for name in set(RUN_FILES) - set(keep):
             (out / name).unlink(missing_ok=True)
     atomic_write_text(out / CONFIG_FILE, json.dumps(run_cfg, indent=2, ensure_ascii=False, default=str) + "\n")
     tmp = out / f"{TMP_PREFIX}{TOKENIZER_DIR}.{os.getpid()}"

@@ -14,6 +14,7 @@ import json
 import math
 import os
 import sys
+from dataclasses import fields
 
 import torch
 
@@ -23,7 +24,7 @@ from .evaluate import compare_run, describe_ladder, evaluate_model
 from .export import DTYPES, export_run, import_hf
 from .generate import chat
 from .model import PRESETS
-from .pipeline import pretrain, sft
+from .pipeline import RunSettings, pretrain, sft
 from .profiles import get_profile
 
 
@@ -57,11 +58,11 @@ def _add_train_args(p: argparse.ArgumentParser, stage: str) -> None:
     p.add_argument("--profile", default=None, help="sizes from this profile: smoke, workshop, cpu, gpu (default: MINIMIND_PROFILE or auto)")
     if stage == "pretrain":
         p.add_argument("--config", default=None, help=f"model preset: {', '.join(PRESETS)} (default: the profile's)")
-        p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the bundled 6400-token tokenizer)")
+        p.add_argument("--tokenizer", dest="tokenizer_dir", help="tokenizer directory (default: the bundled 6400-token one)")
     else:
         p.add_argument("--init", required=True, help="the pretraining run directory to start from")
     p.add_argument("--max-tokens", type=POSITIVE, help="padded tokens per micro-batch (default: the profile's)")
-    p.add_argument("--accum", type=POSITIVE, help="micro-batches per optimizer step (default: the profile's)")
+    p.add_argument("--accum", dest="accum_steps", type=POSITIVE, help="micro-batches per step (default: the profile's)")
     p.add_argument("--amp", choices=("auto", "bf16", "fp16", "off"), default="auto", help="mixed precision (default: auto)")
     p.add_argument("--steps", type=POSITIVE, help="optimizer steps (default: the profile's)")
     p.add_argument("--lr", type=number(float, 0.0, low_ok=False), help="peak learning rate (default: the profile's)")
@@ -69,7 +70,7 @@ def _add_train_args(p: argparse.ArgumentParser, stage: str) -> None:
     p.add_argument("--val-data", default=None, help="validation jsonl (pretrain default: data/pretrain_val.jsonl)")
     p.add_argument("--val-batches", type=POSITIVE, default=4, help="validation micro-batches per eval (default 4)")
     p.add_argument("--eval-every", type=POSITIVE, help="optimizer steps between validations (default: the profile's)")
-    p.add_argument("--cache", default=None, help="memmap cache directory (default: next to --out)")
+    p.add_argument("--cache", dest="cache_dir", help="memmap cache directory (default: next to --out)")
     p.add_argument("--max-samples", type=NON_NEGATIVE, help="read at most N samples (0: all; default: the profile's)")
     p.add_argument("--device", type=device, default=None, help="cuda, cuda:N, mps or cpu (default: the best available)")
     p.add_argument("--resume", action="store_true", help="continue --out from its last.pt (same settings required)")
@@ -78,17 +79,16 @@ def _add_train_args(p: argparse.ArgumentParser, stage: str) -> None:
                    help="a bad data line: stop with its file:line (default), or skip it (counted and logged)")
     p.add_argument("--stop-after", type=POSITIVE, default=None,
                    help="stop (with a checkpoint) after N steps of the --steps schedule; continue later with --resume")
+    p.add_argument("--allow-skipped-steps", action="store_true", help="exit 0 despite skipped steps (still reported)")
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
 def _train_kwargs(args: argparse.Namespace) -> dict:
-    return dict(profile=args.profile, max_tokens=args.max_tokens, accum_steps=args.accum, amp=args.amp,
-                steps=args.steps, lr=args.lr, seq_len=args.seq_len, val_data=args.val_data, cache_dir=args.cache,
-                val_batches=args.val_batches, eval_every=args.eval_every, max_samples=args.max_samples,
-                device=args.device, resume=args.resume, overwrite=args.overwrite, stop_after=args.stop_after,
-                seed=args.seed, progress=not args.no_progress, on_error=args.on_error,
-                log=lambda msg: print(msg, file=sys.stderr, flush=True))
+    """pretrain/sft's keyword arguments: the options named as RunSettings' fields, the progress bars, the log."""
+    known = {f.name for f in fields(RunSettings)}
+    return {**{k: v for k, v in vars(args).items() if k in known}, "progress": not args.no_progress,
+            "log": lambda msg: print(msg, file=sys.stderr, flush=True)}
 
 
 def cmd_info(args: argparse.Namespace) -> int:
@@ -99,10 +99,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 def cmd_train(args: argparse.Namespace) -> int:
     """Pretrain (or, for `sft`, fine-tune --init) into --out and print the run's summary as JSON."""
-    if args.command == "pretrain":
-        result = pretrain(args.data, args.out, config=args.config, tokenizer_dir=args.tokenizer, **_train_kwargs(args))
-    else:
-        result = sft(args.data, args.out, init=args.init, **_train_kwargs(args))
+    result = (pretrain if args.command == "pretrain" else sft)(**_train_kwargs(args))
     # Under torchrun every rank returns; only rank 0 has the whole summary (the process group is gone by now, so
     # ask torchrun's environment rather than torch.distributed).
     if os.environ.get("RANK", "0") == "0":
@@ -141,8 +138,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     """`export`: a run directory to the transformers format; `import-hf`: such a directory to a run directory."""
-    print(export_run(args.run_dir, args.to, args.dtype, args.overwrite) if args.command == "export"
-          else import_hf(args.hf_dir, args.out, args.overwrite))  # the directory written
+    print(export_run(args.run_dir, args.to, args.dtype, args.overwrite, args.allow_other_files)
+          if args.command == "export" else import_hf(args.hf_dir, args.out, args.overwrite, args.allow_other_files))
     return 0
 
 
@@ -190,8 +187,9 @@ def add_subcommands(subparsers) -> None:
     h = subparsers.add_parser("import-hf", help="a transformers Llama/Qwen3/Qwen3-MoE directory to a run directory")
     h.add_argument("hf_dir", help="a transformers model directory (config.json, model.safetensors, tokenizer files)")
     h.add_argument("--out", required=True, help="the run directory to write (config.json, model.pth, tokenizer/)")
-    for parser in (e, h):
-        parser.add_argument("--overwrite", action="store_true", help="replace what the same command wrote there")
+    for parser, what in ((e, "the files an earlier export wrote there"), (h, "the run in --out (a run of ours only)")):
+        parser.add_argument("--overwrite", action="store_true", help=f"replace {what}")
+        parser.add_argument("--allow-other-files", action="store_true", help="write beside files it did not write")
         parser.set_defaults(func=cmd_export)
     m = subparsers.add_parser("compare", help="is a run healthy? its validation loss against its profile's band")
     m.add_argument("run_dir", help="a run directory (config.json, metrics.csv)")

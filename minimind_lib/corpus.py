@@ -57,8 +57,9 @@ def _check_text(text: Any, where: str, allow_blank: bool = False) -> None:
     check_text(text, where)  # JSON may spell lone surrogates ("\\ud800"): no UTF-8 bytes, so no tokens
 
 
-def validate_record(record: Any, kind: str) -> None:
-    """Raise ValueError (naming the key and value) unless `record` is a valid `kind` sample (see data/README.md)."""
+def validate_record(record: Any, kind: str) -> list[str]:
+    """Raise ValueError (naming the key and value) unless `record` is a valid `kind` sample (see data/README.md); the
+    names its tool calls use that the system turn's tools do not declare (MiniMind-3's data has such calls: kept)."""
     check_choice("kind", kind, KINDS)
     if not isinstance(record, dict):
         raise ValueError(f"expected a JSON object, got {type(record).__name__}")
@@ -67,11 +68,11 @@ def validate_record(record: Any, kind: str) -> None:
         raise ValueError(f"missing key {PAYLOAD[kind]!r} ({kind} lines look like {example}); keys: {sorted(record)}")
     if kind == "pretrain":
         _check_text(record["text"], "key 'text'")
-        return
+        return []
     conv = record["conversations"]
     if not isinstance(conv, list) or not conv:
         raise ValueError(f"key 'conversations' must be a non-empty list, got {conv!r:.80}")
-    pending = 0  # tool calls not yet answered by a tool turn
+    pending, called = 0, []  # tool calls not yet answered by a tool turn; the names called
     for t, turn in enumerate(conv):
         if not isinstance(turn, dict):
             raise ValueError(f"conversations[{t}] must be an object, got {turn!r:.80}")
@@ -89,19 +90,21 @@ def validate_record(record: Any, kind: str) -> None:
         check_turn_extras(dict(turn, tool_calls=calls), f"conversations[{t}]")
         for k, call in enumerate(calls or []):
             json_field((call.get("function") or call)["arguments"], f"conversations[{t}]['tool_calls'][{k}]['arguments']")
+            called.append((call.get("function") or call)["name"])
         if pending and turn["role"] != "tool" or turn["role"] == "tool" and not pending:
             raise ValueError(f"conversations[{t}]: each tool call gets its own 'tool' turn right after the assistant "
                              f"turn that makes it; {pending} call(s) unanswered before this {turn['role']!r} turn")
         pending = len(calls or []) if turn["role"] == "assistant" else pending - (turn["role"] == "tool")
     if pending:
         raise ValueError(f"conversations ends with {pending} tool call(s) that no 'tool' turn answers")
-    tools_of(conv)  # raises on bad tools
+    declared = {tool["function"]["name"] for tool in tools_of(conv)}  # raises on bad tools
     if not any(turn["role"] == "assistant" for turn in conv):
         raise ValueError("conversations has no 'assistant' turn, so nothing would be trained")
+    return [name for name in called if name not in declared]
 
 
-def _parse_line(raw: bytes, kind: str | None) -> Any:
-    """Parse one jsonl line and validate it; raises ValueError with a message that lacks only the location."""
+def _parse_line(raw: bytes, kind: str | None) -> tuple[Any, list[str]]:
+    """Parse and validate one jsonl line: (record, undeclared tool names); a ValueError's message lacks the location."""
     raw = raw.rstrip(b"\r\n")  # so an error's column is on this line, not "column 1" of the next
     try:
         record = json.loads(raw)
@@ -109,9 +112,7 @@ def _parse_line(raw: bytes, kind: str | None) -> Any:
         raise ValueError(f"not valid UTF-8 ({e.reason} at byte {e.start})") from None
     except json.JSONDecodeError as e:
         raise ValueError(f"malformed JSON ({e.msg} at column {e.colno}): {raw.decode('utf-8', 'replace')[:80]!r}") from None
-    if kind is not None:
-        validate_record(record, kind)
-    return record
+    return record, validate_record(record, kind) if kind is not None else []
 
 
 class JsonlReader:
@@ -125,6 +126,7 @@ class JsonlReader:
         self.path, self.on_error, self.kind, self.max_samples = path, on_error, kind, max_samples
         self.n_lines = self.n_records = self.n_blank = self.n_skipped = self.n_bytes = 0  # blank lines hold no sample
         self.skipped_examples: list[str] = []  # the first 5 "file:line: reason" messages, for reports
+        self.n_undeclared_tool_calls, self.undeclared_example = 0, ""  # kept and trained as written, but counted
 
     def __iter__(self) -> Iterator[Any]:
         with open(self.path, "rb") as f:
@@ -136,7 +138,7 @@ class JsonlReader:
                     self.n_blank += 1
                     continue
                 try:
-                    record = _parse_line(raw, self.kind)
+                    record, undeclared = _parse_line(raw, self.kind)
                 except ValueError as e:
                     message = f"{self.path}:{lineno}: {e}"
                     if self.on_error == "raise":
@@ -146,18 +148,24 @@ class JsonlReader:
                     self.skipped_examples += [message][:5 - len(self.skipped_examples)]
                     continue
                 self.n_records += 1
+                if undeclared:
+                    self.n_undeclared_tool_calls += len(undeclared)
+                    self.undeclared_example = self.undeclared_example or f"{self.path}:{lineno}: {undeclared[0]!r}"
                 yield record
-        if self.n_skipped:
+        if self.n_skipped or self.n_undeclared_tool_calls:
             warnings.warn(self.report(), stacklevel=2)
 
     def report(self) -> str:
         """One line saying what was read and skipped."""
         s = f"{self.path}: read {self.n_records} records from {self.n_lines} lines, skipped {self.n_skipped} lines"
-        return s + (f" (first: {self.skipped_examples[0]})" if self.skipped_examples else "")
+        s += f" (first: {self.skipped_examples[0]})" if self.skipped_examples else ""
+        return s + (f"; {self.n_undeclared_tool_calls} tool call(s) to a tool the system turn does not declare, kept "
+                    f"(first: {self.undeclared_example})" if self.n_undeclared_tool_calls else "")
 
     def counts(self) -> dict:
         """What a dataset's stats report about the reading: skipped and blank lines."""
-        return {"n_skipped": self.n_skipped, "n_blank": self.n_blank, "skipped_examples": list(self.skipped_examples)}
+        return {"n_skipped": self.n_skipped, "n_blank": self.n_blank, "skipped_examples": list(self.skipped_examples),
+                "n_undeclared_tool_calls": self.n_undeclared_tool_calls}
 
 
 read_jsonl = JsonlReader  # read_jsonl(path, on_error="raise", kind=None, max_samples=None): the name callers use

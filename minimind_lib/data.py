@@ -45,6 +45,7 @@ class DataStats:
     n_chunked: int = 0  # documents longer than seq_len split into several rows (long_docs="chunk")
     n_trained_tokens: int | None = None  # SFT: tokens with a label (after truncation)
     n_no_target: int = 0  # SFT: samples whose assistant tokens were all cut off by truncation
+    n_undeclared_tool_calls: int = 0  # SFT: calls to a tool the system turn does not declare (kept, trained)
     skipped_examples: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
@@ -97,7 +98,8 @@ class _TokenDataset(Dataset):
         self.offsets = np.load(prefix + ".idx.npy")  # small (8 bytes per sample): read once; tokens stay on disk
         if len(self.offsets) != self.meta["n_samples"] + 1:
             raise ValueError(f"{prefix}.idx.npy has {len(self.offsets)} offsets, meta says {self.meta['n_samples']} samples")
-        self.read_counts = {k: self.meta[k] for k in ("n_skipped", "n_blank", "skipped_examples")}
+        self.read_counts = {k: self.meta.get(k, 0) for k in ("n_skipped", "n_blank", "n_undeclared_tool_calls")}
+        self.read_counts["skipped_examples"] = self.meta["skipped_examples"]
 
     def _read_jsonl(self, path: Path, tokenizer, on_error: str, max_samples: int | None) -> None:
         if tokenizer is None:

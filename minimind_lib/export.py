@@ -1,6 +1,7 @@
 """A model leaves the course, as notebook 08_sft ends: `export_run` writes a run directory in the `transformers` format
 (Llama, Qwen3 or Qwen3-MoE classes, model.safetensors, the tokenizer), `import_hf` reads one back into a run directory.
-MiniMind's parameter names already are those classes', so the weights travel unrenamed."""
+MiniMind's parameter names already are those classes', so the weights travel unrenamed. The config reads the same in
+transformers 5 and 4.x; an export lists its files in MANIFEST, and only those are ever replaced or removed."""
 
 from __future__ import annotations
 
@@ -14,15 +15,18 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from .checkpoint import MODEL_FILE, RUN_FORMAT, RUN_VERSION, RunError, check_out_dir, load_run, start_run_dir
+from .checkpoint import (MODEL_FILE, RUN_FILES, RUN_FORMAT, RUN_VERSION, TOKENIZER_DIR, RunError, check_other_files,
+                         check_out_dir, check_target, load_run, start_run_dir)
 from .corpus import tokenizer_fingerprint
+from .fileio import PREFIX, TMP_PREFIX, atomic_write_text, exclusive_dir
 from .model import YARN_SCALING, MiniMindConfig, MiniMindForCausalLM, check_state_dict, save_checkpoint
-from .tokenizer import check_vocab, load_tokenizer
+from .tokenizer import CONFIG_FILE as TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, check_vocab, load_tokenizer
 
 # model_type -> class: Llama's blocks are MiniMind2's, Qwen3's add q/k norm, Qwen3-MoE's (no shared expert) MoE
 ARCHS = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_FILE, MANIFEST = "model.safetensors", PREFIX + "export.json"  # MANIFEST: the names of the files written
+EXPORT_FILES = ("config.json", WEIGHTS_FILE, TOKENIZER_FILE, TOKENIZER_CONFIG_FILE)
 SHAPE = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
          "max_position_embeddings", "rms_norm_eps")  # the same name and meaning in both configs
 MOE = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "router_aux_loss_coef")
@@ -32,8 +36,9 @@ FIXED = {"attention_bias": (False, False), "mlp_bias": (False, False), "tie_word
          "decoder_sparse_step": (1, 1), "mlp_only_layers": ([], [])}  # MoE: every block's FFN is one
 
 
-def hf_config(mcfg: MiniMindConfig, tok, dtype: str = "fp32"):
-    """The transformers config (Llama's; Qwen3's, q/k norm; Qwen3-MoE's) that computes what MiniMind's model does."""
+def hf_config(mcfg: MiniMindConfig, tok, dtype: str = "fp32") -> dict:
+    """config.json of the transformers class (Llama's; Qwen3's, q/k norm; Qwen3-MoE's) that computes what MiniMind's
+    model does, in transformers 5 (rope_parameters, num_local_experts) and 4.x (rope_theta, rope_scaling, num_experts)."""
     from transformers import AutoConfig  # here only: the rest of the course runs without transformers
     trained, d = YARN_SCALING["original_max_position_embeddings"], mcfg.head_dim
     yarn = mcfg.inference_rope_scaling and mcfg.max_position_embeddings > trained  # MiniMind stretches only then
@@ -44,67 +49,79 @@ def hf_config(mcfg: MiniMindConfig, tok, dtype: str = "fp32"):
     kind = "qwen3_moe" if mcfg.use_moe else "qwen3" if mcfg.qk_norm else "llama"
     rope = {"rope_type": "yarn" if yarn else "default", "rope_theta": mcfg.rope_theta, **(YARN_SCALING if yarn else {})}
     fields = SHAPE + (MOE if mcfg.use_moe else ())
-    return AutoConfig.for_model(kind, architectures=[ARCHS[kind]], **{k: getattr(mcfg, k) for k in fields},
-                                num_key_value_heads=mcfg.num_key_value_heads, head_dim=d, rope_parameters=rope,
-                                hidden_act="silu", tie_word_embeddings=True, bos_token_id=tok.bos_token_id,
-                                eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, dtype=DTYPES[dtype])
+    config = AutoConfig.for_model(kind, architectures=[ARCHS[kind]], **{k: getattr(mcfg, k) for k in fields},
+                                  num_key_value_heads=mcfg.num_key_value_heads, head_dim=d, rope_parameters=rope,
+                                  hidden_act="silu", tie_word_embeddings=True, bos_token_id=tok.bos_token_id,
+                                  eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, dtype=DTYPES[dtype])
+    # 4.x reads theta at the top, YaRN in rope_scaling (5 reads that too, before rope_parameters: the same values)
+    v4 = {"rope_theta": mcfg.rope_theta, "rope_scaling": {"rope_type": "yarn", **YARN_SCALING} if yarn else None}
+    return {**config.to_diff_dict(), **v4, **({"num_experts": mcfg.num_experts} if mcfg.use_moe else {})}  # 4.x's name
 
 
-def export_run(run_dir: str | Path, out_dir: str | Path, dtype: str = "fp32", overwrite: bool = False) -> Path:
-    """Write a finished run as a transformers directory (config.json, model.safetensors, tokenizer); returns it."""
+def export_run(run_dir: str | Path, out_dir: str | Path, dtype: str = "fp32", overwrite: bool = False,
+               allow_other_files: bool = False) -> Path:
+    """Write a finished run as a transformers directory (config.json, model.safetensors, tokenizer); returns it.
+    overwrite: replace an earlier export's files; allow_other_files: write beside files it did not write (kept)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r}: choose one of {sorted(DTYPES)}")
+    out = check_target(out_dir, "--to")
     model, tok, _ = load_run(run_dir)  # clear errors: not a run directory, no model.pth (unfinished), bad weights
-    out = Path(out_dir)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not (overwrite and (out / WEIGHTS_FILE).is_file()):
-        raise RunError(f"{out} exists and is not empty; choose another directory (--overwrite replaces an earlier "
-                       f"export, one that holds {WEIGHTS_FILE})")
     config = hf_config(model.config, tok, dtype)
     tensors = {k: v.to(DTYPES[dtype]).contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"  # written whole, then moved in: never half an export
-    try:
-        config.save_pretrained(tmp)
-        save_file(tensors, tmp / WEIGHTS_FILE, metadata={"format": "pt"})  # lm_head is tied: transformers re-ties it
-        tok.save(tmp)
-        shutil.rmtree(out, ignore_errors=True)  # an earlier export (--overwrite); os.replace fails if any is left
-        os.replace(tmp, out)
-    finally:
+    with exclusive_dir(out):  # refuses a file or a dangling link; a folder it creates and leaves empty goes again
+        try:  # MANIFEST: the files an earlier export wrote there, the only ones --overwrite replaces
+            earlier = set(json.loads((out / MANIFEST).read_text(encoding="utf-8"))) if (out / MANIFEST).exists() else set()
+        except (ValueError, TypeError, OSError) as e:
+            raise RunError(f"{out / MANIFEST}: unreadable ({e}): which files export wrote there is unknown") from None
+        if earlier and not overwrite:
+            raise RunError(f"{out} holds an earlier export: pass --overwrite to replace its files, or another --to")
+        check_other_files(out, earlier, allow_other_files, replaced=EXPORT_FILES)
+        tmp = out / f"{TMP_PREFIX}export"  # the new files, whole before any old one goes (a killed export's: ours)
         shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            atomic_write_text(tmp / "config.json", json.dumps(config, indent=2, sort_keys=True) + "\n")
+            save_file(tensors, tmp / WEIGHTS_FILE, metadata={"format": "pt"})  # the tied lm_head: transformers re-ties
+            tok.save(tmp)
+            # listed before any move: a kill while moving leaves no file of ours unlisted
+            atomic_write_text(out / MANIFEST, json.dumps(sorted(earlier | set(EXPORT_FILES))) + "\n")
+            for name in EXPORT_FILES:
+                os.replace(tmp / name, out / name)  # one by one, each old or new: the folder is never emptier
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
-def minimind_config(c: dict, path: Path) -> MiniMindConfig:
-    """The MiniMindConfig of a transformers config.json; RunError naming the field the course cannot express."""
+def minimind_config(c: dict) -> MiniMindConfig:
+    """The MiniMindConfig of a transformers config.json; ValueError naming the field the course cannot express."""
     if c.get("model_type") not in ARCHS:
-        raise RunError(f"{path}: model_type={c.get('model_type')!r} ({c.get('architectures')}): the course reads "
+        raise RunError(f"model_type={c.get('model_type')!r} ({c.get('architectures')}): the course reads "
                        f"{sorted(ARCHS.values())} only")
     for key, (need, default) in FIXED.items():
         if c.get(key, default) != need:
-            raise RunError(f"{path}: {key}={c.get(key, default)!r}: the course's model has {key}={need!r} only")
+            raise RunError(f"{key}={c.get(key, default)!r}: the course's model has {key}={need!r} only")
     rope = c.get("rope_parameters") or c.get("rope_scaling") or {}  # transformers 5 or 4
     kind, trained = rope.get("rope_type", rope.get("type", "default")), YARN_SCALING["original_max_position_embeddings"]
     yarn = kind == "yarn" and {k: rope.get(k) for k in YARN_SCALING} == YARN_SCALING
     if kind != "default" and not (yarn and c["max_position_embeddings"] > trained):
-        raise RunError(f"{path}: rope scaling {rope} cannot be expressed: the course has only MiniMind-3's YaRN "
+        raise RunError(f"rope scaling {rope} cannot be expressed: the course has only MiniMind-3's YaRN "
                        f"{YARN_SCALING}, with max_position_embeddings above its original_max_position_embeddings")
     moe, c = c["model_type"] == "qwen3_moe", {"num_experts": c.get("num_local_experts"), **c}  # 5's name, or 4's
     return MiniMindConfig(**{k: c[k] for k in SHAPE + (MOE if moe else ())}, head_dim=c.get("head_dim"),
                           num_key_value_heads=c.get("num_key_value_heads", c["num_attention_heads"]),
-                          rope_theta=float(rope.get("rope_theta", c.get("rope_theta", 1e4))), use_moe=moe,
+                          rope_theta=rope.get("rope_theta", c.get("rope_theta", 1e4)), use_moe=moe,
                           qk_norm=c["model_type"] != "llama", inference_rope_scaling=yarn)
 
 
-def import_hf(hf_dir: str | Path, run_dir: str | Path, overwrite: bool = False) -> Path:
+def import_hf(hf_dir: str | Path, run_dir: str | Path, overwrite: bool = False, allow_other_files: bool = False) -> Path:
     """A run directory for `chat` and `sft --init` from a transformers directory the course can express; returns it."""
-    hf_dir, out, path = Path(hf_dir), Path(run_dir), Path(hf_dir) / "config.json"
+    hf_dir, out, path = Path(hf_dir), check_target(run_dir, "--out"), Path(hf_dir) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: {hf_dir} is not a transformers model directory")
     try:
-        mcfg = minimind_config(json.loads(path.read_text(encoding="utf-8")), path)
-    except (KeyError, json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:  # KeyError: a missing field
+        mcfg = minimind_config(json.loads(path.read_text(encoding="utf-8")))
+    except (KeyError, ValueError, AttributeError, TypeError) as e:  # a missing field, bad JSON, a value out of range
         raise RunError(f"{path}: not a model config this course reads ({type(e).__name__}: {e})") from None
-    tok = load_tokenizer(hf_dir)
-    check_vocab(tok, mcfg.vocab_size)  # the message names the tokenizer's directory
+    check_vocab(tok := load_tokenizer(hf_dir), mcfg.vocab_size)  # the message names the tokenizer's directory
     try:
         state = {k: v.float() if v.is_floating_point() else v for k, v in load_file(hf_dir / WEIGHTS_FILE).items()}
     except (SafetensorError, OSError) as e:
@@ -114,9 +131,12 @@ def import_hf(hf_dir: str | Path, run_dir: str | Path, overwrite: bool = False) 
         raise RunError(f"{hf_dir / WEIGHTS_FILE}: lm_head.weight is not model.embed_tokens.weight: an untied head")
     check_state_dict(state, model, hf_dir / WEIGHTS_FILE)  # names the first missing, extra or mis-shaped key
     model.load_state_dict(state, strict=True)
-    check_out_dir(out, resume=False, overwrite=overwrite)  # everything checked: only now is anything written
-    start_run_dir(out, {"format": RUN_FORMAT, "version": RUN_VERSION, "stage": "import", "model_preset": None,
-                        "model": mcfg.to_dict(), "train": None, "source": str(hf_dir.resolve()), "tokenizer":
-                        {"fingerprint": tokenizer_fingerprint(tok), "vocab_size": tok.vocab_size}}, tok, resume=False)
-    save_checkpoint(model, out / MODEL_FILE)
+    with exclusive_dir(out):  # the lock a training run holds: never two writers in one run directory
+        check_out_dir(out, resume=False, overwrite=overwrite, resumable=False)  # only now is anything written
+        check_other_files(out, (*RUN_FILES, TOKENIZER_DIR), allow_other_files)
+        save_checkpoint(model, out / MODEL_FILE)  # first, whole or not at all: a run it replaces is intact till then
+        start_run_dir(out, {"format": RUN_FORMAT, "version": RUN_VERSION, "stage": "import", "model_preset": None,
+                            "model": mcfg.to_dict(), "train": None, "source": str(hf_dir.resolve()), "tokenizer":
+                            {"fingerprint": tokenizer_fingerprint(tok), "vocab_size": tok.vocab_size}}, tok,
+                      resume=False, keep=(MODEL_FILE,))
     return out

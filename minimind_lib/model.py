@@ -20,6 +20,20 @@ from .fileio import atomic_open
 
 
 # ---- Configuration
+FIELD_RULES = {  # every field's rule, checked wherever a config is built: presets, notebooks, config.json, import-hf
+    **dict.fromkeys(("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size",
+                     "max_position_embeddings", "num_experts", "num_experts_per_tok"),
+                    (lambda v: type(v) is int and v > 0, "a positive integer")),  # type(): True is no size
+    **dict.fromkeys(("intermediate_size", "head_dim", "moe_intermediate_size"),  # None: derived from the others
+                    (lambda v: v is None or type(v) is int and v > 0, "a positive integer (or None)")),
+    **dict.fromkeys(("rope_theta", "rms_norm_eps"),  # the comparisons refuse nan
+                    (lambda v: type(v) in (int, float) and 0 < v < math.inf, "a finite number > 0")),
+    "dropout": (lambda v: type(v) in (int, float) and 0 <= v < 1, "a number from 0 to 1 (1 excluded)"),
+    "router_aux_loss_coef": (lambda v: type(v) in (int, float) and 0 <= v < math.inf, "a finite number >= 0"),
+    **dict.fromkeys(("qk_norm", "inference_rope_scaling", "use_moe", "norm_topk_prob"), (lambda v: type(v) is bool, "a bool")),
+}
+
+
 @dataclass
 class MiniMindConfig:
     """Hyper-parameters of a MiniMind model; the defaults are MiniMind2-small (25,829,888 parameters)."""
@@ -44,31 +58,23 @@ class MiniMindConfig:
     router_aux_loss_coef: float = 5e-4  # weight of the load-balancing loss added in training
 
     def __post_init__(self) -> None:
-        for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size",
-                     "max_position_embeddings", "num_experts"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
-                raise ValueError(f"MiniMindConfig.{name}={getattr(self, name)!r}: must be a positive integer")
-        if self.intermediate_size is None:
-            self.intermediate_size = 64 * math.ceil(int(self.hidden_size * 8 / 3) / 64)
-        if not isinstance(self.intermediate_size, int) or self.intermediate_size <= 0:
-            raise ValueError(f"MiniMindConfig.intermediate_size={self.intermediate_size!r}: must be a positive integer")
-        if not isinstance(self.rope_theta, (int, float)) or not math.isfinite(self.rope_theta) or self.rope_theta <= 0:
-            raise ValueError(f"MiniMindConfig.rope_theta={self.rope_theta!r}: must be a finite number > 0")
-        if self.moe_intermediate_size is None:
-            self.moe_intermediate_size = self.intermediate_size
-        if not isinstance(self.num_experts_per_tok, int) or not 1 <= self.num_experts_per_tok <= self.num_experts:
-            raise ValueError(f"MiniMindConfig.num_experts_per_tok={self.num_experts_per_tok!r}: must be an integer "
-                             f"from 1 to num_experts={self.num_experts}")
+        for name, (ok, rule) in FIELD_RULES.items():
+            if not ok(value := getattr(self, name)):
+                raise ValueError(f"MiniMindConfig.{name}={value!r}: must be {rule}")
+        self.intermediate_size = self.intermediate_size or 64 * math.ceil(int(self.hidden_size * 8 / 3) / 64)
+        self.moe_intermediate_size = self.moe_intermediate_size or self.intermediate_size
         if self.head_dim is None and self.hidden_size % self.num_attention_heads != 0:
             raise ValueError(f"hidden_size={self.hidden_size} is not divisible by "
                              f"num_attention_heads={self.num_attention_heads}; set head_dim explicitly")
-        if self.head_dim is None:
-            self.head_dim = self.hidden_size // self.num_attention_heads
+        self.head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
         if self.num_attention_heads % self.num_key_value_heads != 0:
             raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple of num_key_value_heads="
                              f"{self.num_key_value_heads} (grouped-query attention needs whole groups)")
-        if not isinstance(self.head_dim, int) or self.head_dim <= 0 or self.head_dim % 2 != 0:
+        if self.head_dim % 2 != 0:
             raise ValueError(f"head_dim={self.head_dim!r} must be a positive even integer (rotary embeddings pair dims)")
+        if self.num_experts_per_tok > self.num_experts:
+            raise ValueError(f"MiniMindConfig.num_experts_per_tok={self.num_experts_per_tok!r}: must be an integer "
+                             f"from 1 to num_experts={self.num_experts}")
 
     @classmethod
     def preset(cls, name: str, **overrides) -> "MiniMindConfig":
@@ -83,8 +89,7 @@ class MiniMindConfig:
     @classmethod
     def from_dict(cls, d: dict) -> "MiniMindConfig":
         """Inverse of to_dict; unknown keys are an error (they would otherwise be silently ignored)."""
-        known = {f.name for f in fields(cls)}
-        if unknown := sorted(set(d) - known):
+        if unknown := sorted(set(d) - (known := {f.name for f in fields(cls)})):
             raise ValueError(f"unknown MiniMindConfig field(s) {unknown}; known fields: {sorted(known)}")
         return cls(**d)
 
@@ -106,7 +111,7 @@ PRESETS: dict[str, dict] = {
 # MiniMind-3-MoE exactly: each FFN becomes 4 experts of width 2432 and a router, a token uses 1; 198,416,640 parameters.
 PRESETS["minimind-3-moe"] = {**PRESETS["minimind-3"], "use_moe": True}
 # MiniMind-3's inference_rope_scaling: YaRN stretching a 2048-token training length 16 times (to 32768).
-YARN_SCALING = dict(factor=16, original_max_position_embeddings=2048, beta_fast=32, beta_slow=1, attention_factor=1.0)
+YARN_SCALING = dict(factor=16.0, original_max_position_embeddings=2048, beta_fast=32.0, beta_slow=1.0, attention_factor=1.0)
 
 
 # ---- Building blocks

@@ -13,7 +13,6 @@ Every input is validated before OUT is written.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import io
 import json
 import math
@@ -21,7 +20,7 @@ import os
 import signal
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
@@ -32,7 +31,7 @@ import torch
 from . import distributed as D
 from .batching import AdaptiveBatchController, TokenBudgetBatchSampler, TokenBudgetSteps
 from .checkpoint import (METRICS_FILE, MODEL_FILE, RUN_FORMAT, RUN_VERSION, SAMPLES_FILE, STATE_FILE, SUMMARY_FILE,
-                         RunError, check_out_dir, check_resume, load_run, start_run_dir)
+                         RunError, check_out_dir, check_resume, check_target, load_run, start_run_dir)
 from .corpus import tokenizer_fingerprint
 from .data import LONG_DOCS_BY_KIND, holdout_split, memmap_dataset, pad_collate
 from .device import get_device, total_memory_bytes
@@ -77,6 +76,7 @@ class RunSettings:
     resume: bool = False
     overwrite: bool = False
     stop_after: int | None = None  # stop (with a checkpoint) after N steps of the `steps` schedule
+    allow_skipped_steps: bool = False  # else a run with skipped steps or no final evaluation raises (after writing)
     sample_every: int | None = None  # 0: no samples
     sample_prompts: Sequence[str] | None = None
     seed: int = 1337
@@ -130,7 +130,7 @@ def resolve_settings(s: RunSettings, prof: Profile) -> RunSettings:
     val_data = s.val_data
     if pre and val_data is None and (DATA_DIR / "pretrain_val.jsonl").is_file():
         val_data = DATA_DIR / "pretrain_val.jsonl"
-    r = dataclasses.replace(
+    r = replace(
         s, seq_len=seq_len, max_tokens=given(s.max_tokens, max(prof.max_tokens, seq_len)), steps=steps,
         accum_steps=given(s.accum_steps, prof.accum_steps), eval_every=eval_every, val_data=val_data,
         lr=given(s.lr, prof.lr if pre else prof.lr / 2),  # SFT: gentler, it starts from a trained model
@@ -163,8 +163,7 @@ def train_config(s: RunSettings) -> TrainConfig:
 # ----------------------------------------------------------------------------------- checks before writing
 def _inputs(s: RunSettings, prof: Profile, device: torch.device) -> tuple[Any, MiniMindConfig, str | None, dict | None]:
     """(tokenizer, model config, preset, SFT's initial weights): every input checked before anything is written."""
-    if s.out is None or not str(s.out).strip():  # Path("") is ".": a whole run would land in the current directory
-        raise RunError(f"an output directory is needed (--out DIR), got {s.out!r}")
+    check_target(s.out or "", "--out")  # not '' (Path("") is ".") nor the working directory: a run is a folder
     if device.type in ("cuda", "mps") and not getattr(torch, device.type).is_available():
         raise RunError(f"device {device} is not available on this machine (torch {torch.__version__}); pass "
                        f"--device cpu or leave --device out to use the best one present")
@@ -181,10 +180,7 @@ def _inputs(s: RunSettings, prof: Profile, device: torch.device) -> tuple[Any, M
     else:
         tok, preset, init_state = load_tokenizer(s.tokenizer_dir), s.config or prof.model, None
         mcfg = MiniMindConfig.preset(preset)
-        try:
-            check_vocab(tok, mcfg.vocab_size)
-        except ValueError as e:
-            raise RunError(f"tokenizer/model vocab mismatch: {e}") from None
+        check_vocab(tok, mcfg.vocab_size)  # the message names the tokenizer's directory
     if s.seq_len > mcfg.max_position_embeddings:
         raise RunError(f"seq_len={s.seq_len} exceeds the model's max_position_embeddings="
                        f"{mcfg.max_position_embeddings}")
@@ -192,9 +188,8 @@ def _inputs(s: RunSettings, prof: Profile, device: torch.device) -> tuple[Any, M
 
 
 def _run_config(s: RunSettings, prof: Profile, preset: str | None, mcfg: MiniMindConfig, tok: Any,
-                device: torch.device, dinfo: Any) -> dict:
-    """What config.json says the run is."""
-    amp = resolve_amp(s.amp, device, mcfg.hidden_size)
+                device: torch.device, dinfo: Any, amp: Any) -> dict:
+    """What config.json says the run is (amp: resolve_amp's choice)."""
     return {"format": RUN_FORMAT, "version": RUN_VERSION, "stage": s.stage, "profile": prof.name,
             "model_preset": preset, "model": mcfg.to_dict(), "train": train_config(s).to_dict(),
             "tokenizer": {"fingerprint": tokenizer_fingerprint(tok), "vocab_size": int(tok.vocab_size)},
@@ -374,6 +369,10 @@ def _finish(rec: Recorder, df: pd.DataFrame, run_cfg: dict, wall: float, start_s
                "resumed_from_step": start_step if rec.s.resume else None,
                "stopped_early": bool(len(full) and int(full["step"].max()) + 1 < rec.s.steps),
                "interrupted_by": rec.interrupted}
+    skips = int(full["skipped"].eq(True).sum()) if "skipped" in full else 0  # not the GradScaler's fp16 skips
+    summary["shortfalls"] = ([f"{skips} of the {rec.s.steps} steps were skipped, the weights unchanged (NaN/inf or "
+                              f"no trained tokens: metrics.csv's events say which)"] if skips else []) + (
+        [] if len(full) and full["val_loss"].notna().iloc[-1] else ["no final evaluation: no validation data"])
     if rec.s.resume and wall > 0:  # this invocation's tokens over this invocation's time
         summary["tokens_per_s_wall"] = round((summary["tokens"] - prior_tokens) / wall, 1)
     if controller is not None:  # what the controller did: OOMs recovered, samples lost (0), rows cut
@@ -398,7 +397,7 @@ def _run(s: RunSettings, dinfo: Any = None) -> RunResult:
     with exclusive_dir(out) if main else contextlib.nullcontext():
         check_out_dir(out, s.resume, s.overwrite)
         cfg, amp = train_config(s), resolve_amp(s.amp, device, mcfg.hidden_size)
-        run_cfg = _run_config(s, prof, preset, mcfg, tok, device, dinfo)
+        run_cfg = _run_config(s, prof, preset, mcfg, tok, device, dinfo, amp)
         saved_state = check_resume(out, run_cfg, cfg, dinfo) if s.resume else None
         ds, val, n_held_out = _datasets(s, tok, dinfo, log)  # 1. data
         steps = train_steps(ds, s, dinfo)  # 2. the optimizer steps
@@ -433,10 +432,18 @@ def _run(s: RunSettings, dinfo: Any = None) -> RunResult:
             with _stop_on_signals(rec):
                 df = fit(model, steps, cfg, device=device, val_batches=val, controller=controller, callbacks=[rec],
                          resume_from=resume_from)
+        if main and val and rec.rows and math.isnan(rec.rows[-1]["val_loss"]):  # fit validates after applied steps
+            ev = evaluate(model, val, device=device, amp_dtype=amp.dtype)  # only: final_val_loss is the saved model's
+            rec.rows[-1].update(val_loss=ev["loss"], val_ppl=ev["ppl"])
         metrics, summary = _finish(rec, df, run_cfg, time.perf_counter() - t0, start_step, controller, dinfo)
         if rec.interrupted:
             raise RunError(f"stopped by {rec.interrupted} after step {int(metrics['step'].max()) + 1} of {s.steps}: "
                            f"{out / STATE_FILE} holds it; continue with --resume")
+        if main and summary["shortfalls"] and not s.allow_skipped_steps:
+            raise RunError(f"{'; '.join(summary['shortfalls'])}; {out} holds the model and summary.json: pass "
+                           f"--allow-skipped-steps (allow_skipped_steps=True) to accept such a run")
+        for problem in summary["shortfalls"] if main else ():
+            log(f"{s.stage}: warning: {problem}")
         return RunResult(out, model.eval(), tok, metrics, run_cfg, summary, rec.samples)
 
 
@@ -458,7 +465,7 @@ def _stop_on_signals(rec: Recorder) -> Iterator[None]:
 def _run_maybe_distributed(stage: str, kwargs: dict) -> RunResult:
     """The run of keyword arguments `kwargs`; under torchrun (WORLD_SIZE > 1) one rank of it, the process group torn
     down at the end (also on error)."""
-    known = {f.name for f in dataclasses.fields(RunSettings)} - {"stage"}
+    known = {f.name for f in fields(RunSettings)} - {"stage"}
     if unknown := sorted(set(kwargs) - known):
         raise TypeError(f"unknown argument(s) {unknown}; known: {sorted(known)}")
     s = RunSettings(stage=stage, **kwargs)

@@ -219,6 +219,6 @@ def test_add_subcommands_registers_pretrain_sft_chat():
     assert args.func is cli.cmd_chat and args.temperature == 0.0
     args = parser.parse_args(["pretrain", "--data", "d", "--out", "o", "--config", "minimind2-small", "--max-tokens",
                               "64", "--accum", "2", "--amp", "bf16", "--resume"])
-    assert (args.config, args.max_tokens, args.accum, args.amp, args.resume) == ("minimind2-small", 64, 2, "bf16", True)
+    assert (args.config, args.max_tokens, args.accum_steps, args.amp, args.resume) == ("minimind2-small", 64, 2, "bf16", True)
     with pytest.raises(SystemExit):
         parser.parse_args(["sft", "--out", "o"])  # --init is required

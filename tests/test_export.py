@@ -21,9 +21,10 @@ transformers = pytest.importorskip("transformers")
 from minimind_lib import cli  # noqa: E402
 from minimind_lib.checkpoint import RUN_FORMAT, RUN_VERSION, load_run, start_run_dir  # noqa: E402
 from minimind_lib.corpus import tokenizer_fingerprint  # noqa: E402
-from minimind_lib.export import export_run, import_hf  # noqa: E402
+from minimind_lib.export import EXPORT_FILES, export_run, import_hf  # noqa: E402
+from minimind_lib.fileio import exclusive_dir  # noqa: E402
 from minimind_lib.generate import generate_ids  # noqa: E402
-from minimind_lib.model import MiniMindConfig, MiniMindForCausalLM, save_checkpoint  # noqa: E402
+from minimind_lib.model import YARN_SCALING, MiniMindConfig, MiniMindForCausalLM, save_checkpoint  # noqa: E402
 from minimind_lib.tokenizer import load_tokenizer  # noqa: E402
 
 torch.set_num_threads(1)
@@ -94,8 +95,9 @@ def load_hf(out: Path):
 
 def test_exported_directory_loads_as_the_standard_class(exported):
     name, _, out = exported
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json",
-                                                     "tokenizer_config.json"]
+    assert sorted(p.name for p in out.iterdir()) == [".minimind-export.json", "config.json", "model.safetensors",
+                                                     "tokenizer.json", "tokenizer_config.json"]
+    assert json.loads((out / ".minimind-export.json").read_text()) == sorted(EXPORT_FILES)  # what --overwrite may replace
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == [ARCH[name]] and config["tie_word_embeddings"] is True
     assert "auto_map" not in config  # no custom code: trust_remote_code is never needed
@@ -199,11 +201,11 @@ def test_export_refuses_a_used_directory_and_overwrite_replaces_an_earlier_expor
     run = make_run(tmp_path / "run", tok, **CONFIGS["minimind2-shaped"])
     (tmp_path / "used").mkdir()
     (tmp_path / "used" / "notes.txt").write_text("mine")
-    with pytest.raises(ValueError, match="exists and is not empty"):
+    with pytest.raises(ValueError, match="used holds notes.txt, which this command did not write"):
         export_run(run, tmp_path / "used", overwrite=True)  # not an export: never replaced
     assert [p.name for p in (tmp_path / "used").iterdir()] == ["notes.txt"]
     out = export_run(run, tmp_path / "hf", dtype="bf16")
-    with pytest.raises(ValueError, match="exists and is not empty"):
+    with pytest.raises(ValueError, match="holds an earlier export: pass --overwrite"):
         export_run(run, out)
     export_run(run, out, dtype="fp32", overwrite=True)
     assert json.loads((out / "config.json").read_text())["dtype"] == "float32"
@@ -343,3 +345,161 @@ def test_yarn_that_transformers_computes_otherwise_is_refused(tok, tmp_path):
     with pytest.raises(ValueError, match="rope_theta=10000.0, head_dim=4: YaRN's ramp"):
         export_run(run, tmp_path / "hf")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
+# ------------------------------------------------------------------ nothing of the user's is lost (issue 35)
+def earlier_export_with_users_files(tok, tmp_path: Path) -> tuple[Path, Path, dict]:
+    """A run, an earlier export of it in tmp_path/hf and files the user added there: (run, hf, the user's files)."""
+    run = make_run(tmp_path / "run", tok, **CONFIGS["minimind2-shaped"])
+    hf = export_run(run, tmp_path / "hf", dtype="bf16")
+    users = {"notes.txt": "mine", ".lock": "my lock", ".x.tmp1": "my draft", "sub/data.txt": "my data"}
+    for name, text in users.items():
+        (hf / name).parent.mkdir(exist_ok=True)
+        (hf / name).write_text(text)
+    return run, hf, users
+
+
+def test_overwrite_replaces_only_what_export_wrote_and_asks_before_writing_beside_other_files(tok, tmp_path, capsys):
+    run, hf, users = earlier_export_with_users_files(tok, tmp_path)
+    before = snapshot(hf)
+    assert cli.main(["export", str(run), "--to", str(hf), "--overwrite"]) == 2
+    err = capsys.readouterr().err
+    assert ".lock, .x.tmp1, notes.txt, sub, which this command did not write" in err and "--allow-other-files" in err
+    assert snapshot(hf) == before
+    assert cli.main(["export", str(run), "--to", str(hf), "--overwrite", "--allow-other-files"]) == 0
+    assert all((hf / name).read_text() == text for name, text in users.items())  # kept, byte for byte
+    assert json.loads((hf / "config.json").read_text())["dtype"] == "float32"  # the export itself was replaced
+    assert sorted(p.name for p in hf.iterdir()) == sorted([".minimind-export.json", *EXPORT_FILES, ".lock", ".x.tmp1",
+                                                           "notes.txt", "sub"])  # no lock or temporary left
+
+
+def test_a_users_config_json_is_never_replaced(tok, tmp_path, capsys):
+    run = make_run(tmp_path / "run", tok, **CONFIGS["minimind2-shaped"])
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "config.json").write_text("{}")  # e.g. another model's: no manifest lists it
+    for extra in ([], ["--overwrite", "--allow-other-files"]):
+        assert cli.main(["export", str(run), "--to", str(tmp_path / "mine"), *extra]) == 2
+        assert "it would replace config.json" in capsys.readouterr().err
+    assert (tmp_path / "mine" / "config.json").read_text() == "{}"
+    assert cli.main(["export", str(run), "--to", str(run), "--overwrite", "--allow-other-files"]) == 2
+    assert "would replace config.json" in capsys.readouterr().err and load_run(run)  # the run itself is untouched
+
+
+@pytest.mark.parametrize("target", [".", ""])
+def test_the_working_directory_is_refused_and_left_as_it_was(tok, tmp_path, monkeypatch, capsys, target):
+    run, hf, _ = earlier_export_with_users_files(tok, tmp_path)
+    before = snapshot(hf)
+    monkeypatch.chdir(hf)
+    assert cli.main(["export", str(run), "--to", target, "--overwrite"]) == 2
+    err = capsys.readouterr().err
+    assert f"--to {target!r} is the working directory ({hf})" in err, err
+    assert snapshot(hf) == before
+
+
+def test_a_failed_overwrite_leaves_the_earlier_export_whole(tok, tmp_path, monkeypatch, capsys):
+    run, hf, _ = earlier_export_with_users_files(tok, tmp_path)
+    before, real_replace = snapshot(hf), os.replace
+
+    def full_disk(src, dst):  # the new files are written whole; moving one of them in (or onto hf) fails
+        if Path(dst) == hf or Path(dst).parent == hf and Path(dst).name in EXPORT_FILES:
+            raise OSError(28, "No space left on device")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", full_disk)
+    assert cli.main(["export", str(run), "--to", str(hf), "--overwrite", "--allow-other-files"]) == 2
+    assert "No space left on device" in capsys.readouterr().err
+    monkeypatch.setattr(os, "replace", real_replace)
+    assert snapshot(hf) == before and load_hf(hf)  # the earlier export, still complete and loadable
+
+
+def test_clear_messages_for_a_file_and_a_link_as_the_target(tok, tmp_path, capsys):
+    run, hf, _ = earlier_export_with_users_files(tok, tmp_path)
+    (tmp_path / "afile").write_text("x")
+    assert cli.main(["export", str(run), "--to", str(tmp_path / "afile")]) == 2
+    assert f"{tmp_path / 'afile'} is a file, not a directory" in capsys.readouterr().err
+    (tmp_path / "link").symlink_to(hf)  # a link to the earlier export: written through, the link stays a link
+    assert cli.main(["export", str(run), "--to", str(tmp_path / "link"), "--overwrite", "--allow-other-files"]) == 0
+    assert (tmp_path / "link").is_symlink() and json.loads((hf / "config.json").read_text())["dtype"] == "float32"
+
+
+def test_import_refuses_an_empty_out_a_file_and_says_no_resume(exported, tmp_path, monkeypatch, capsys):
+    _, run, out = exported
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["import-hf", str(out), "--out", ""]) == 2
+    assert "--out '' is the working directory" in capsys.readouterr().err and not (tmp_path / "config.json").exists()
+    (tmp_path / "afile").write_text("x")
+    assert cli.main(["import-hf", str(out), "--out", "afile"]) == 2
+    assert "afile is a file, not a directory" in capsys.readouterr().err
+    assert cli.main(["import-hf", str(out), "--out", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert "already holds a run" in err and "--overwrite to replace it" in err and "--resume" not in err
+
+
+def test_import_overwrite_waits_for_the_lock_and_keeps_a_run_whole_on_failure(exported, tmp_path, monkeypatch, capsys):
+    _, run, out = exported
+    target = tmp_path / "target"
+    import_hf(out, target)
+    with exclusive_dir(target):  # a pretraining run holds it (another process in real use)
+        assert cli.main(["import-hf", str(out), "--out", str(target), "--overwrite"]) == 2
+        assert f"is in use by pid {os.getpid()}" in capsys.readouterr().err
+    before = snapshot(target)
+    real_save = torch.save
+
+    def full_disk(obj, f, *args, **kwargs):
+        real_save(obj, f, *args, **kwargs)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    assert cli.main(["import-hf", str(out), "--out", str(target), "--overwrite"]) == 2
+    monkeypatch.setattr(torch, "save", real_save)
+    assert snapshot(target) == before and load_run(target)  # the run it would have replaced is whole
+    (target / "notes.txt").write_text("mine")
+    assert cli.main(["import-hf", str(out), "--out", str(target), "--overwrite"]) == 2
+    assert "notes.txt, which this command did not write" in capsys.readouterr().err
+    assert cli.main(["import-hf", str(out), "--out", str(target), "--overwrite", "--allow-other-files"]) == 0
+    assert (target / "notes.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(rms_norm_eps=-1), "rms_norm_eps=-1: must be a finite number > 0"),
+    (dict(rope_parameters={"rope_type": "default", "rope_theta": "abc"}), "rope_theta='abc': must be a finite number"),
+    (dict(num_key_value_heads=0), "num_key_value_heads=0: must be a positive integer"),
+])
+def test_import_refuses_a_value_out_of_range_naming_the_file_and_field(exported, tmp_path, capsys, changes, message):
+    hf = copy_with_config(exported[2], tmp_path / "hf", changes)
+    assert cli.main(["import-hf", str(hf), "--out", str(tmp_path / "back")]) == 2
+    err = capsys.readouterr().err
+    assert f"{hf / 'config.json'}: " in err and message in err, err
+    assert not (tmp_path / "back").exists()
+
+
+def read_like_transformers_4(config: dict) -> dict:
+    """What transformers 4.x takes from a config.json for RoPE, head size and experts, as 4.57's code reads it.
+
+    Checked by reading transformers 4.57.6's source (installed apart from the course's pinned 5.x):
+    LlamaConfig/Qwen3Config/Qwen3MoeConfig.__init__ take rope_theta=10000.0 and rope_scaling=None from the top level
+    and never read rope_parameters (an unknown key to them); a rope_scaling "type" is copied to "rope_type";
+    Qwen3MoeConfig reads num_experts (default 128), not 5's num_local_experts; Qwen3Config's head_dim defaults to
+    128, Llama's to hidden_size // num_attention_heads; _validate_yarn_parameters wants factor, beta_fast and beta_slow
+    as floats. The exports of CONFIGS, loaded in that 4.57.6 with AutoModelForCausalLM, gave our logits (see README)."""
+    scaling = dict(config.get("rope_scaling") or {}) or None
+    if scaling is not None and "type" in scaling:
+        scaling["rope_type"] = scaling["type"]
+    default_head = 128 if config["model_type"] in ("qwen3", "qwen3_moe") else config["hidden_size"] // config[
+        "num_attention_heads"]
+    return {"rope_theta": config.get("rope_theta", 10000.0), "rope_scaling": scaling,
+            "head_dim": config.get("head_dim", default_head),
+            "num_experts": config.get("num_experts", 128) if config["model_type"] == "qwen3_moe" else None}
+
+
+def test_the_exported_config_reads_the_same_in_transformers_4(exported):
+    name, run, out = exported
+    mcfg = load_run(run)[0].config
+    v4 = read_like_transformers_4(json.loads((out / "config.json").read_text()))
+    assert (v4["rope_theta"], v4["head_dim"]) == (mcfg.rope_theta, mcfg.head_dim)
+    assert v4["num_experts"] == (mcfg.num_experts if mcfg.use_moe else None)
+    if mcfg.inference_rope_scaling:  # YaRN as 4.x computes it: the same values as 5's rope_parameters
+        assert v4["rope_scaling"] == {"rope_type": "yarn", **YARN_SCALING}
+        assert all(type(v4["rope_scaling"][k]) is float for k in ("factor", "beta_fast", "beta_slow"))
+    else:
+        assert v4["rope_scaling"] is None

@@ -11,6 +11,7 @@ import json
 import math
 import os
 import pickle
+import re
 import shutil
 import signal
 from pathlib import Path
@@ -20,10 +21,14 @@ import pytest
 import torch
 
 from minimind_lib import cli, paths, pipeline
+from minimind_lib.checkpoint import load_run
+from minimind_lib.corpus import JsonlReader
+from minimind_lib.data import memmap_dataset
 from minimind_lib.generate import generate, generate_ids
 from minimind_lib.model import MiniMindConfig, MiniMindForCausalLM, load_checkpoint
 from minimind_lib.paths import DATA_DIR
 from minimind_lib.tokenizer import load_tokenizer
+from minimind_lib.train import evaluate
 
 torch.set_num_threads(1)
 
@@ -259,9 +264,10 @@ def test_config_and_token_ids_are_validated():
     for field in ("hidden_size", "vocab_size", "num_hidden_layers"):
         with pytest.raises(ValueError, match=f"{field}=0: must be a positive integer"):
             MiniMindConfig(**{field: 0})
-    for head_dim in (0, 3):  # rotary embeddings rotate pairs of dimensions
-        with pytest.raises(ValueError, match=f"head_dim={head_dim} must be a positive even integer"):
-            MiniMindConfig(head_dim=head_dim)
+    with pytest.raises(ValueError, match="head_dim=0: must be a positive integer"):
+        MiniMindConfig(head_dim=0)
+    with pytest.raises(ValueError, match="head_dim=3 must be a positive even integer"):  # RoPE rotates pairs of dims
+        MiniMindConfig(head_dim=3)
     model = MiniMindForCausalLM(MiniMindConfig.preset("smoke"))
     for bad in (6400, -1):
         with pytest.raises(ValueError, match=r"token ids range .* is outside \[0, vocab_size=6400\)"):
@@ -379,9 +385,9 @@ def test_a_run_that_never_trained_fails_and_skipped_steps_are_not_counted(tmp_pa
     assert stdout == "" and not (out / "summary.json").exists() and not (out / "model.pth").exists()
     monkeypatch.undo()
     nan_forward(monkeypatch, lambda n: n == 2)  # only the second step's loss is NaN
-    code, stdout, err = run_cli(["pretrain", "--out", tmp_path / "one", "--steps", 4, "--cache", cache] + TINY_CLI,
-                                capsys)
-    assert code == 0, err
+    code, stdout, err = run_cli(["pretrain", "--out", tmp_path / "one", "--steps", 4, "--cache", cache,
+                                 "--allow-skipped-steps"] + TINY_CLI, capsys)
+    assert code == 0 and "warning: 1 of the 4 steps were skipped" in err, err
     summary, metrics = json.loads(stdout), pd.read_csv(tmp_path / "one" / "metrics.csv")
     trained = metrics[metrics["step"] >= 0]
     assert trained["applied"].tolist() == [True, False, True, True] and summary["skipped_steps"] == [1]
@@ -392,7 +398,7 @@ def test_a_run_that_never_trained_fails_and_skipped_steps_are_not_counted(tmp_pa
 def test_an_empty_out_is_refused(tmp_path, cache, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)  # where an empty --out would put a whole run
     code, _, err = run_cli(["pretrain", "--out", "", "--steps", 1, "--cache", cache] + TINY_CLI, capsys)
-    assert code == 2 and "an output directory is needed (--out DIR), got ''" in err
+    assert code == 2 and f"--out '' is the working directory ({tmp_path})" in err
     assert list(tmp_path.iterdir()) == []
 
 
@@ -509,3 +515,74 @@ def test_a_kill_between_checkpoint_and_samples_loses_no_sample(tmp_path, cache, 
     assert [r["step"] for r in straight] == [2, 4] and resumed.samples == straight
     lines = (tmp_path / "run" / "samples.jsonl").read_text(encoding="utf-8").splitlines()
     assert [json.loads(line) for line in lines] == straight
+
+
+# ------------------------------------------------------------------------------------------ issue 35
+def test_a_run_with_skipped_steps_says_so_fails_and_reports_the_trained_models_loss(tmp_path, cache, capsys):
+    out, args = tmp_path / "lr", ["--lr", "1e6", "--steps", 8, "--cache", cache] + TINY_CLI  # the gradients overflow
+    code, stdout, err = run_cli(["pretrain", "--out", out] + args, capsys)
+    summary, metrics = json.loads((out / "summary.json").read_text()), pd.read_csv(out / "metrics.csv")
+    skipped = int(metrics["skipped"].eq(True).sum())
+    assert code == 2 and stdout == "" and skipped > 0 and f"error: {skipped} of the 8 steps were skipped" in err, err
+    assert "--allow-skipped-steps" in err and summary["shortfalls"][0].startswith(f"{skipped} of the 8 steps")
+    model, tok, run_cfg = load_run(out)  # model.pth evaluated again on the run's validation batches
+    val_ds, _ = memmap_dataset(Path(run_cfg["val_data"]), tok, "pretrain", 32, cache)
+    val = pipeline.validation_batches(val_ds, 128, 32, tok.pad_token_id, n_batches=1)
+    assert summary["final_val_loss"] == pytest.approx(evaluate(model, val, device="cpu")["loss"], abs=1e-6)
+    assert summary["final_val_loss"] != summary["initial_val_loss"] and metrics["val_loss"].notna().iloc[-1]
+    code, stdout, err = run_cli(["pretrain", "--out", tmp_path / "allowed", "--allow-skipped-steps"] + args, capsys)
+    assert code == 0 and json.loads(stdout)["shortfalls"] and f"warning: {skipped} of the 8 steps" in err
+
+
+@pytest.mark.parametrize("field, value, rule", [
+    ("rms_norm_eps", -1, "a finite number > 0"), ("rms_norm_eps", 0.0, "a finite number > 0"),
+    ("rope_theta", "abc", "a finite number > 0"), ("rope_theta", math.inf, "a finite number > 0"),
+    ("dropout", 1.0, "a number from 0 to 1"), ("dropout", -0.1, "a number from 0 to 1"),
+    ("router_aux_loss_coef", -1.0, "a finite number >= 0"), ("moe_intermediate_size", 0, "a positive integer"),
+    ("num_hidden_layers", 2.0, "a positive integer"), ("hidden_size", True, "a positive integer"),
+    ("qk_norm", 1, "a bool"), ("use_moe", "yes", "a bool"), ("max_position_embeddings", -5, "a positive integer"),
+])
+def test_every_config_field_is_checked_where_the_config_is_built(field, value, rule):
+    with pytest.raises(ValueError, match=re.escape(f"MiniMindConfig.{field}={value!r}: must be {rule}")):
+        MiniMindConfig.preset("smoke", **{field: value})
+
+
+def test_a_hand_edited_run_config_names_the_file_and_field(pre, tmp_path, capsys):
+    bad = tmp_path / "bad"
+    shutil.copytree(pre, bad)
+    config = json.loads((bad / "config.json").read_text())
+    config["model"]["rope_theta"] = "abc"
+    (bad / "config.json").write_text(json.dumps(config))
+    code, out, err = run_cli(["chat", "--ckpt", bad, "--prompt", "hi"], capsys)
+    assert code == 2 and out == "" and f"{bad / 'config.json'}: 'model': MiniMindConfig.rope_theta='abc'" in err, err
+    config["model"]["rope_theta"], config["model"]["rms_norm_eps"] = 1e6, -1  # NaN logits, an empty reply, before
+    (bad / "config.json").write_text(json.dumps(config))
+    code, out, err = run_cli(["chat", "--ckpt", bad, "--prompt", "hi"], capsys)
+    assert code == 2 and out == "" and "MiniMindConfig.rms_norm_eps=-1: must be a finite number > 0" in err, err
+
+
+def test_chat_with_a_file_for_a_run_directory_says_so(pre, tmp_path, capsys):
+    code, _, err = run_cli(["chat", "--ckpt", pre / "model.pth", "--prompt", "hi"], capsys)
+    assert code == 2 and f"{pre / 'model.pth'} is a file, not a run directory" in err, err
+
+
+def test_a_tool_call_the_system_turn_never_declared_is_warned_of_and_counted(tmp_path, cache):
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {}}}]
+    call = lambda name: [{"role": "assistant", "content": "", "tool_calls": [  # noqa: E731
+        {"type": "function", "function": {"name": name, "arguments": '{"a": 3, "b": 4}'}}]},
+        {"role": "tool", "content": "7"}, {"role": "assistant", "content": "7."}]
+    lines = [{"conversations": [{"role": "system", "content": "You can add.", "tools": tools},
+                                {"role": "user", "content": "3+4?"}, *call("add")]},  # declared: nothing to say
+             {"conversations": [{"role": "system", "content": "You can add.", "tools": tools},
+                                {"role": "user", "content": "3*4?"}, *call("mul")]},  # never declared
+             {"conversations": [{"role": "user", "content": "3-4?"}, *call("sub")]}]  # no tools at all
+    data = tmp_path / "tools.jsonl"
+    data.write_text("".join(json.dumps(line) + "\n" for line in lines), encoding="utf-8")
+    with pytest.warns(UserWarning, match=r"2 tool call\(s\) to a tool the system turn does not declare, kept "
+                                         rf"\(first: {re.escape(str(data))}:2: 'mul'\)"):
+        reader = JsonlReader(data, kind="sft")
+        assert len(list(reader)) == 3  # accepted: MiniMind-3's data has such calls
+    assert reader.counts()["n_undeclared_tool_calls"] == 2
+    with pytest.warns(UserWarning, match="does not declare"):
+        ds, _ = memmap_dataset(data, load_tokenizer(), "sft", 256, tmp_path / "cache", None, False, "raise")
+    assert ds.stats.n_undeclared_tool_calls == 2  # in the run's data_stats too

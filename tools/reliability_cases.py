@@ -44,7 +44,7 @@ class Cases:
 
     def local(self, text: str) -> str:
         """Paths as the table shows them: T for the temporary folder, relative to the checkout otherwise."""
-        return text.replace(str(self.t), "T").replace(f"{ROOT}/", "")
+        return text.replace(str(self.t), "T").replace(f"{ROOT}/", "").replace(str(ROOT), ".")
 
     def show(self, args: list) -> str:
         text = self.local(" ".join(str(a) or "''" for a in args)).replace(" ".join(TINY), "TINY")
@@ -74,7 +74,7 @@ class Cases:
         lines = [line for line in err.splitlines() if line.strip()]
         last = lines[-1] if lines else ""  # a library call's exception is the traceback's last line
         first = next((line for line in lines if line.startswith("error:") or ": error:" in line), last)
-        note = check() if check is not None else ""
+        note = "" if check is None else check(err) if check.__code__.co_argcount else check()  # check(err): reads it
         library = shown.startswith("python -c")  # a library call raises: its traceback is the expected output
         tracebacks = 0 if library else err.count("Traceback")
         warning = next((line.split("Warning: ", 1)[1] for line in lines if "Warning: " in line), "")
@@ -296,7 +296,8 @@ def same_steps(a: Path, b: Path) -> str:
 
 def api_cases(c: Cases) -> None:
     prelude = "from minimind_lib.model import *; import torch; "
-    for config in ("hidden_size=0", "intermediate_size=0", "intermediate_size=-1", "rope_theta=float('nan')"):
+    for config in ("hidden_size=0", "intermediate_size=0", "intermediate_size=-1", "rope_theta=float('nan')",
+                   "rms_norm_eps=-1"):
         c.run(f"MiniMindConfig({config})", [], python=prelude + f"MiniMindConfig({config})", expect=1)
     model = prelude + "m = MiniMindForCausalLM(MiniMindConfig.preset('smoke')); "
     for what, ids in [("float token ids", "torch.tensor([[1.0, 2.0]])"), ("1-D token ids", "torch.tensor([1, 2])"),
@@ -322,6 +323,78 @@ def api_cases(c: Cases) -> None:
           "temperature=float('nan'))", expect=1)
 
 
+def export_cases(c: Cases) -> None:
+    """Export and import-hf (issue 35): nothing of the user's is removed, every refusal names the path."""
+    t = c.t
+    c.run("export of a finished run", ["export", t / "pre", "--to", t / "hf"], expect=0)
+    shutil.copytree(t / "hf", t / "hf2")
+    users = {"notes.txt": "mine", ".lock": "my lock", ".x.tmp1": "my draft"}
+    for name, text in users.items():
+        (t / "hf2" / name).write_text(text)
+    kept = lambda: all((t / "hf2" / n).read_text() == text for n, text in users.items())  # noqa: E731
+    c.run("export --overwrite onto an earlier export holding the user's notes.txt, .lock, .x.tmp1",
+          ["export", t / "pre", "--to", t / "hf2", "--overwrite"], check=lambda: f"user's files kept: {kept()}")
+    c.run("the same, --allow-other-files", ["export", t / "pre", "--to", t / "hf2", "--overwrite",
+                                            "--allow-other-files"], expect=0,
+          check=lambda: f"user's files kept: {kept()}")
+    for target in (".", ""):
+        c.run(f"export --to {target or repr('')} --overwrite (the working directory)",
+              ["export", t / "pre", "--to", target, "--overwrite"],
+              check=lambda: f"nothing written in the working directory: {not (ROOT / 'config.json').exists()}")
+    c.run("export --to a file", ["export", t / "pre", "--to", t / "afile"])
+    (t / "hflink").symlink_to(t / "hf")
+    c.run("export --to a symbolic link to an earlier export, --overwrite", ["export", t / "pre", "--to", t / "hflink",
+                                                                             "--overwrite"], expect=0,
+          check=lambda: f"still a link: {(t / 'hflink').is_symlink()}")
+    c.run("import-hf --out '' (empty)", ["import-hf", t / "hf", "--out", ""],
+          check=lambda: f"nothing written in the working directory: {not (ROOT / 'model.pth').exists()}")
+    c.run("import-hf --out a file", ["import-hf", t / "hf", "--out", t / "afile"])
+    c.run("import-hf onto an existing run, no --overwrite", ["import-hf", t / "hf", "--out", t / "pre"],
+          check=lambda err: f"suggests --resume: {'--resume' in err}")
+    c.run("import-hf --overwrite into a run directory a running pretrain holds (its lock)", [], python=(
+        "import sys; from minimind_lib import cli; from minimind_lib.fileio import exclusive_dir; d = '" + str(t / "pre")
+        + "'; lock = exclusive_dir(d); lock.__enter__(); sys.exit(cli.main(['import-hf', '" + str(t / "hf")
+        + "', '--out', d, '--overwrite']))"), expect=2)
+    for field, value in (("rms_norm_eps", -1), ("rope_theta", "abc")):
+        hf = t / f"hf_{field}"
+        shutil.copytree(t / "hf", hf)
+        config = json.loads((hf / "config.json").read_text())
+        config.update({field: value} if field != "rope_theta" else {"rope_parameters": {"rope_type": "default",
+                                                                                        "rope_theta": value}})
+        (hf / "config.json").write_text(json.dumps(config))
+        c.run(f"import-hf of a config.json with {field} {value!r}", ["import-hf", hf, "--out", t / f"imp_{field}"],
+              check=lambda: f"--out written: {(t / f'imp_{field}').exists()}")
+    shutil.copytree(t / "pre", t / "abc")
+    config = json.loads((t / "abc/config.json").read_text())
+    config["model"]["rope_theta"] = "abc"
+    (t / "abc/config.json").write_text(json.dumps(config))
+    c.run("chat --ckpt a run whose config.json says rope_theta 'abc'", ["chat", "--ckpt", t / "abc", "--prompt", "hi"])
+    c.run("chat --ckpt a file", ["chat", "--ckpt", t / "pre/model.pth", "--prompt", "hi"])
+
+
+def shortfall_cases(c: Cases) -> None:
+    """Runs that did less than asked say so (issue 35)."""
+    t = c.t
+    summary = lambda d: json.loads((t / d / "summary.json").read_text())  # noqa: E731
+    c.run("pretrain --lr 1e6 --steps 8 (the gradients overflow)", ["pretrain", "--out", t / "lr", "--lr", "1e6",
+                                                                  "--steps", 8],
+          check=lambda: (f"summary.json shortfalls: {len(summary('lr')['shortfalls'])}; final_val_loss differs from "
+                         f"the untrained model's: {summary('lr')['final_val_loss'] != summary('lr')['initial_val_loss']}"))
+    c.run("the same, --allow-skipped-steps", ["pretrain", "--out", t / "lr2", "--lr", "1e6", "--steps", 8,
+                                              "--allow-skipped-steps"], expect=0,
+          check=lambda err: (f"warned on stderr: {'warning:' in err and 'steps were skipped' in err}; summary.json shortfalls: "
+                             f"{len(summary('lr2')['shortfalls'])}"))
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {}}}]
+    c.data("tools.jsonl", [json.dumps({"conversations": [
+        {"role": "system", "content": "You can add.", "tools": tools}, {"role": "user", "content": "3*4?"},
+        {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
+            "name": "mul", "arguments": "{}"}}]}, {"role": "tool", "content": "12"},
+        {"role": "assistant", "content": "12."}]}) + "\n"])
+    c.run("SFT data calling a tool the system turn never declared", [], python=(
+        "from minimind_lib.corpus import JsonlReader; r = JsonlReader('" + str(t / "tools.jsonl") + "', kind='sft'); "
+        "n = len(list(r)); print(n, r.counts()['n_undeclared_tool_calls'])"), expect=0)
+
+
 CHOICES = [
     "Files the program leaves beside a user's start with `.minimind-` (the lock `.minimind-lock`, temp files "
     "`.minimind-tmp.*`). Leftover temp files are removed only from a folder whose `config.json` is a run of this "
@@ -344,6 +417,14 @@ CHOICES = [
     "removed and the previous file (e.g. `last.pt`) stays as it was.",
     "Samples are generated before the checkpoint of their step and stored in `last.pt`; `samples.jsonl` and "
     "`metrics.csv` are rewritten after each checkpoint from what it holds, so a kill never separates them.",
+    "`export` writes each file whole in `.minimind-tmp.export` inside the target, lists them in "
+    "`.minimind-export.json`, then moves them in one by one: `--overwrite` replaces only the files that list names, an "
+    "old file stays until its new one is whole, and a folder holding anything else is refused unless "
+    "`--allow-other-files` (which writes beside those files, never over them). The working directory is never a target.",
+    "A run that skipped steps (NaN/inf, or no trained tokens: not the GradScaler's fp16 skips, its normal search for a "
+    "scale) or ends with no evaluation of its final model lists why in `summary.json`'s `shortfalls`, and exits 2 "
+    "unless `--allow-skipped-steps` (then it warns on stderr). The final model is evaluated after the loop whenever "
+    "the last step left no validation loss, so `final_val_loss` is always the saved model's.",
 ]
 
 
@@ -376,6 +457,8 @@ def main() -> int:
         checkpoint_cases(c)
         kill_cases(c, pre_lines)
         api_cases(c)
+        export_cases(c)
+        shortfall_cases(c)
     write_table(c.rows, Path(args.out))
     print(f"wrote {args.out}: {len(c.rows)} cases, {sum(r[4] != 'yes' for r in c.rows)} not as promised")
     return 0
