@@ -1,10 +1,9 @@
 """Is my run healthy, and what did it learn? Notebooks 07_pretrain and 08_sft, `python -m minimind_lib compare|eval`.
 
-1. Health: a profile's reference band (assets/bands/<profile>.json, made by tools/make_reference.py from real runs of
->= 5 seeds) holds the validation loss against trained tokens; `judge` says whether a run is inside it, above, below or
-diverged, and its doctor names the likely cause from the run's own metrics. 2. The ladder (`evaluate_model`): bits per
-byte per language, top-k accuracy, unigram and bigram baselines, a two-choice continuation test, the reply format
-after SFT. (train.evaluate is the loop's validation loss; this module judges a finished model.)
+1. Health: a profile's reference band (assets/bands/<profile>.json: tools/make_reference.py, >= 5 seeds of real runs)
+holds the validation loss against trained tokens; `judge` says inside, above, below or diverged, and `doctor` names
+the likely cause. 2. The ladder (`evaluate_model`): bits per byte per language, top-k accuracy, n-gram baselines, a
+two-choice continuation test, the reply format after SFT.
 """
 
 from __future__ import annotations
@@ -30,14 +29,13 @@ from .profiles import get_profile
 from .tokenizer import check_vocab, load_tokenizer
 
 BAND_FORMAT, BAND_VERSION, BANDS_DIR = "minimind-band", 1, ASSETS_DIR / "bands"
-QUANTILES = (0.0, 0.25, 0.5, 0.75, 1.0)  # drawn as the band; its judged edges are the prediction interval
 SPIKE_FACTOR = 10.0  # a gradient norm this many times the run's median (after warmup) is a spike
 BLOWUP_NATS = 0.5  # a loss this far above ln(vocab), the loss of uniform guessing, after training began: diverged
 
 
 # ----------------------------------------------------------------------------------- 1. health: band and doctor
 def comparable(cfg: dict) -> dict:
-    """What a run's validation loss measures besides its training: model, tokenizer, validation data, batching."""
+    """What a run's validation loss measures besides training: model, tokenizer, validation data and batches."""
     held_out = cfg["stage"] == "sft" and not cfg.get("val_data")  # SFT's 5% of the training file
     path = cfg.get("data" if held_out else "val_data")  # notebooks 07/08 record the file, the CLI its fingerprint too
     return {"stage": cfg["stage"], "model": cfg["model"], "tokenizer": cfg["tokenizer"]["fingerprint"],
@@ -54,31 +52,29 @@ def load_band(cfg: dict) -> tuple[dict, dict]:
     if (ref := band["stages"].get(stage)) is None:
         raise RunError(f"no reference band for profile {cfg.get('profile')!r}, stage {stage!r} (bands: "
                        f"{sorted(p.stem for p in BANDS_DIR.glob('*.json'))}; tools/make_reference.py makes one)")
-    mine = comparable(cfg)
-    if key := next((k for k, value in ref["comparable"].items() if mine.get(k) != value), None):
+    if key := next((k for k, value in ref["comparable"].items() if comparable(cfg).get(k) != value), None):
         raise RunError(f"{'a run of another tokenizer' if key == 'tokenizer' else f'{key} differs'}: this run has "
-                       f"{key} = {mine.get(key)!r:.160}, the {band['profile']} band's runs had "
+                       f"{key} = {comparable(cfg).get(key)!r:.160}, the {band['profile']} band's runs had "
                        f"{ref['comparable'][key]!r:.160}; no band covers this run, so no verdict")
     return band, ref
 
 
 def read_metrics(run_dir: str | Path) -> pd.DataFrame:
-    """A run's metrics.csv (one row per optimizer step; step -1: before training), checked for the needed columns."""
-    path = Path(run_dir) / METRICS_FILE
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: the run has logged no checkpoint yet (a run that stopped with "
-                                f"an error before its first checkpoint writes none; its error message says why)")
+    """A run's metrics.csv (step -1: before training) with tokens_seen: the tokens of the steps it kept, cumulated."""
+    if not (path := Path(run_dir) / METRICS_FILE).is_file():
+        raise FileNotFoundError(f"{path} not found: the run logged no checkpoint (a run that stopped with an error "
+                                f"before its first one writes none; the error message says why)")
     try:
         df = pd.read_csv(path)
     except (ValueError, UnicodeDecodeError) as e:  # pandas' parser errors are ValueErrors
         raise RunError(f"{path}: not a metrics table ({e})") from None
-    if missing := sorted({"step", "loss", "tokens", "val_loss"} - set(df.columns)):
+    if missing := sorted({"step", "loss", "tokens", "val_loss", "grad_norm"} - set(df.columns)):
         raise RunError(f"{path}: lacks column(s) {missing}: not a metrics table this program wrote")
     return df.assign(tokens_seen=df["tokens"].where(applied(df), 0).cumsum())
 
 
 def validation_points(df: pd.DataFrame) -> pd.DataFrame:
-    """The validation losses a run kept (those of steps a NaN rollback undid are dropped), with their tokens."""
+    """The validation losses a run kept (not those of steps a NaN rollback undid), with their trained tokens."""
     kept = ~(df["rolled_back"].fillna(False).astype(bool)) if "rolled_back" in df else True
     return df[df["val_loss"].notna() & kept][["step", "tokens_seen", "val_loss"]].reset_index(drop=True)
 
@@ -91,92 +87,70 @@ def final_gap(df: pd.DataFrame, window: int) -> float:
 
 def grad_spikes(df: pd.DataFrame, warmup: int) -> dict:
     """Gradient norms after warmup above SPIKE_FACTOR x their median: [(step, norm, ratio)], median, largest ratio."""
-    g = df[(df["step"] >= warmup) & np.isfinite(df.get("grad_norm", pd.Series(dtype=float)))]
-    if not len(g):
-        return {"median": math.nan, "max_over_median": math.nan, "spikes": []}
-    median, ratio = float(g["grad_norm"].median()), g["grad_norm"] / float(g["grad_norm"].median())
-    spikes = [(int(s), float(n), float(r)) for s, n, r in zip(g["step"], g["grad_norm"], ratio) if r > SPIKE_FACTOR]
-    return {"median": median, "max_over_median": float(ratio.max()), "spikes": spikes}
+    g = df[(df["step"] >= warmup) & np.isfinite(df["grad_norm"])]
+    median = float(g["grad_norm"].median()) if len(g) else math.nan
+    spikes = [(int(s), float(n), n / median) for s, n in zip(g["step"], g["grad_norm"]) if n > SPIKE_FACTOR * median]
+    return {"median": median, "max_over_median": float(g["grad_norm"].max() / median) if len(g) else math.nan,
+            "spikes": spikes}
 
 
 def doctor(df: pd.DataFrame, cfg: dict, ref: dict | None = None) -> list[dict]:
-    """The likely causes of trouble in a run's metrics, each {"cause", "evidence", "diverged"}: NaN rollbacks and the
-    lr they backed off to, fp16 scaler skips and the final scale, a loss blow-up, most steps skipped, gradient-norm
-    spikes, and (with the band's stage `ref`) a validation loss further above the training loss than the band's."""
+    """The likely causes of trouble in a run's metrics, each {"cause", "evidence", "diverged"} (ref: the band's)."""
     steps, found = df[df["step"] >= 0], []
     events = [e for ev in steps.get("event", pd.Series(dtype=str)).fillna("").astype(str) for e in ev.split(";") if e]
     add = lambda cause, evidence, diverged=False: found.append(  # noqa: E731
         {"cause": cause, "evidence": evidence, "diverged": diverged})
-    rollbacks = [e for e in events if e.startswith("rollback_to_step_") or e == "no_checkpoint_to_roll_back_to"]
-    scales, nonfinite = [float(e.split("=")[1]) for e in events if e.startswith("lr_scale=")], sum(
-        e.startswith("nonfinite") for e in events)
-    if rollbacks or nonfinite:
-        lr = cfg["train"]["lr"]
-        add("NaN/inf losses or gradients", f"{nonfinite} non-finite step(s) skipped, {len(rollbacks)} rollback(s) to "
-            f"the last checkpoint" + (f"; the lr backed off to {scales[-1]:g} x {lr:g} = {scales[-1] * lr:.3g}"
-                                      if scales else ""), diverged=bool(rollbacks))
+    rollbacks = sum(e.startswith(("rollback_to_step_", "no_checkpoint_to_roll_back_to")) for e in events)
+    scales, nonfinite = [e[9:] for e in events if e.startswith("lr_scale=")], sum("nonfinite" in e for e in events)
+    if rollbacks or nonfinite:  # fit rolls back to last.pt after max_bad_steps NaN/inf steps in a row, lr lowered
+        add("NaN/inf losses or gradients", f"{nonfinite} non-finite step(s) skipped, {rollbacks} rollback(s)" + (
+            f"; the lr backed off to {scales[-1]} x {cfg['train']['lr']:g}" if scales else ""), rollbacks > 0)
     if skips := [e for e in events if e.startswith("scaler_skip")]:
-        scale = steps["scale"].dropna()
-        add("fp16 overflow", f"the GradScaler skipped {len(skips)} step(s); its scale at the end: "
-            f"{scale.iloc[-1] if len(scale) else float('nan'):g} (first skip: {skips[0]})")
+        add("fp16 overflow", f"the GradScaler skipped {len(skips)} step(s) (first: {skips[0]}); its scale at the end: "
+            f"{steps['scale'].dropna().iloc[-1]:g}")
     if (n_skipped := int((~applied(steps)).sum())) > len(steps) / 2:
-        add("most steps skipped", f"{n_skipped} of {len(steps)} optimizer steps changed no weight", diverged=True)
-    limit = math.log(cfg["model"]["vocab_size"]) + BLOWUP_NATS
-    blown = steps[(steps["loss"] > limit) | (steps["val_loss"] > limit)]
-    if len(blown):
-        row, last = blown.iloc[0], validation_points(df)["val_loss"].iloc[-1]
-        add("loss blow-up", f"loss {max(row['loss'], row['val_loss'] if row['val_loss'] == row['val_loss'] else 0):.4g}"
-            f" at step {int(row['step'])}, above ln {cfg['model']['vocab_size']} + {BLOWUP_NATS} = {limit:.2f} (ln "
-            f"vocab: the loss of guessing uniformly); last validation loss {last:.4g}", diverged=True)
-    if not math.isfinite(validation_points(df)["val_loss"].iloc[-1]):
-        add("non-finite validation loss", "the last validation loss is NaN or inf", diverged=True)
+        add("most steps skipped", f"{n_skipped} of {len(steps)} optimizer steps changed no weight", True)
+    limit, last = math.log(cfg["model"]["vocab_size"]) + BLOWUP_NATS, validation_points(df)["val_loss"].iloc[-1]
+    if len(blown := steps[(steps["loss"] > limit) | (steps["val_loss"] > limit)]):
+        row = blown.iloc[0]
+        add("loss blow-up", f"loss {np.nanmax([row['loss'], row['val_loss']]):.4g} at step {int(row['step'])}, above "
+            f"ln {cfg['model']['vocab_size']} + {BLOWUP_NATS} = {limit:.2f} (ln vocab: guessing uniformly), lr "
+            f"{cfg['train']['lr']:g}; last validation loss {last:.4g}", True)
     if (g := grad_spikes(df, cfg["train"].get("warmup_steps", 0)))["spikes"]:
         add("gradient-norm spikes", ", ".join(f"step {s}: {n:.3g} = {r:.0f}x the run's median {g['median']:.3g}"
                                               for s, n, r in g["spikes"][:3]) + f" ({len(g['spikes'])} in all)")
     if ref is not None and (gap := final_gap(df, cfg["train"].get("eval_every") or 1)) > max(ref["gap"]["upper"], 0):
-        add("overfitting", f"the last validation loss is {gap:.3f} above the training loss; the band's seeds: "
-            f"{min(ref['gap']['per_seed']):.3f} to {max(ref['gap']['per_seed']):.3f} (allowed up to "
-            f"{ref['gap']['upper']:.3f}): the model learns the training data by heart; more data, fewer steps")
+        add("overfitting", f"the last validation loss is {gap:.3f} above the training loss, the band allows "
+            f"{ref['gap']['upper']:.3f} (its seeds: up to {max(ref['gap']['per_seed']):.3f}): more data, fewer steps")
     return found
 
 
 def judge(df: pd.DataFrame, cfg: dict) -> dict:
-    """The verdict on a run (its metrics and config.json) against its profile's band: "inside", "above" (from N
-    tokens on), "below" (better than every reference seed) or "diverged", worded for what the band covers, with the
-    doctor's findings and the judged points; RunError when no band covers the run (its sizes, tokenizer, data)."""
+    """The verdict on a run (metrics, config) against its band: inside, above or below (from N tokens on), diverged."""
     band, ref = load_band(cfg)
     if (val := validation_points(df)).empty:
         raise RunError("the run logged no validation loss, so there is nothing to compare (pass --val-data)")
     findings, tokens, mb = doctor(df, cfg, ref), np.asarray(ref["tokens"]), band["made_by"]
+    val = val[val["tokens_seen"] <= 1.1 * tokens[-1]]  # 10% past the band's end at most: no extrapolation
     val = val.assign(**{k: np.interp(val["tokens_seen"], tokens, ref[k]) for k in ("lower", "upper")},
                      median=np.interp(val["tokens_seen"], tokens, ref["quantiles"]["0.5"]))
-    judged = val[val["tokens_seen"] <= 1.1 * tokens[-1]]  # 10% past the band's end at most: no extrapolation
-    side = (judged["val_loss"] > judged["upper"]).to_numpy(int) - (judged["val_loss"] < judged["lower"]).to_numpy(int)
-    since = len(side) - next((i for i, s in enumerate(side[::-1]) if s != side[-1]), len(side))
-    last, covers = judged.iloc[-1], (f"the {band['profile']} band for {cfg['stage']} ({band['n_seeds']} seeds of the "
-                                     f"profile's run on {mb['device']}, {mb['cpu']}, {mb['threads']} threads, "
-                                     f"{ref['dtype']}, torch {mb['torch']}, {mb['date']})")
+    side = (val["val_loss"] > val["upper"]).to_numpy(int) - (val["val_loss"] < val["lower"]).to_numpy(int)
+    since = len(side) - next((i for i, s in enumerate(side[::-1]) if s != side[-1]), len(side))  # the last run's start
+    last = val.iloc[-1]
+    covers = (f"the {band['profile']} band for {cfg['stage']} ({band['n_seeds']} seeds of the profile's run on "
+              f"{mb['device']}, {mb['cpu']}, {mb['threads']} threads, {ref['dtype']}, torch {mb['torch']}, "
+              f"{mb['date']})")
     at = (f"validation loss {last['val_loss']:.3f} at {int(last['tokens_seen']):,} tokens, the band allows "
           f"{last['lower']:.3f} to {last['upper']:.3f} (seeds' median {last['median']:.3f})")
-    if any(f["diverged"] for f in findings):
-        verdict, summary = "diverged", "diverged: " + "; ".join(f"{f['cause']} ({f['evidence']})"
-                                                                for f in findings if f["diverged"])
-    elif side[-1] == 0:
-        verdict, summary = "inside", f"inside {covers}: {at}"
-    else:
-        verdict = "above" if side[-1] > 0 else "below"
-        summary = (f"{verdict} {covers} from {int(judged['tokens_seen'].iloc[since]):,} tokens on: {at}"
-                   + ("; better than every reference seed (more steps or another lr?)" if verdict == "below" else ""))
-    notes = [f"{k}: this run {cfg['train'][k]!r}, the band's runs {v!r}" for k, v in ref["training"].items()
-             if cfg["train"].get(k) != v]
-    if (run := (cfg.get("device"), (cfg.get("amp") or {}).get("resolved"))) != (mb["device"], ref["dtype"]):
-        notes.append(f"the band comes from {mb['device']} {ref['dtype']}, this run from {run[0]} {run[1] or ''}: "
-                     f"device and dtype alone move the loss a little")
-    if len(judged) < len(val):
-        notes.append(f"{len(val) - len(judged)} validation point(s) past the band's last {int(tokens[-1]):,} tokens "
-                     f"are not judged")
+    verdict = "diverged" if any(f["diverged"] for f in findings) else {0: "inside", 1: "above", -1: "below"}[side[-1]]
+    since = f" from {int(val['tokens_seen'].iloc[since]):,} tokens on" if verdict in ("above", "below") else ""
+    summary = ("diverged: " + "; ".join(f"{f['cause']} ({f['evidence']})" for f in findings if f["diverged"])
+               if verdict == "diverged" else f"{verdict} {covers}{since}: {at}"
+               + ("; better than every reference seed (more steps or another lr?)" if verdict == "below" else ""))
+    notes = [f"{k}: this run {cfg['train'].get(k)!r}, the band's runs {v!r}" for k, v in ref["training"].items()
+             if cfg["train"].get(k) != v]  # what the run changed (the band's device and dtype: in the summary)
     return {"verdict": verdict, "exit_code": int(verdict in ("above", "diverged")), "summary": summary,
-            "findings": findings, "notes": notes, "points": judged.round(4).to_dict("records"),
+            "findings": findings, "notes": notes, "points": val.round(4).to_dict("records"),
             "band": {"profile": band["profile"], "stage": cfg["stage"], "seeds": band["seeds"], "made_by": mb,
                      "dtype": ref["dtype"], "method": band["method"]}}
 
@@ -192,8 +166,7 @@ Z95, HALF, MIN_TWO_CHOICE_DOCS = 1.959964, 32, 20  # 95% normal quantile; two-ch
 
 
 def language(text: str) -> str:
-    """The language of a text by its script: "Chinese" when CJK characters outnumber Latin letters, "English" when
-    the Latin letters are as many and not none, else "other"."""
+    """"Chinese" when CJK characters outnumber Latin letters, "English" when Latin letters are as many, else "other"."""
     cjk = sum("\u4e00" <= c <= "\u9fff" or "\u3400" <= c <= "\u4dbf" for c in text)
     latin = sum(c.isascii() and c.isalpha() for c in text)
     return "Chinese" if cjk > latin else "English" if latin else "other"
@@ -203,13 +176,13 @@ def share(k: float, n: int) -> dict:
     """k out of n, its share and the share's Wilson 95% interval (sound near 0 and 1 and for small n)."""
     center, d = (k / n + Z95 ** 2 / (2 * n)), 1 + Z95 ** 2 / n
     half = Z95 * math.sqrt(k / n * (1 - k / n) / n + Z95 ** 2 / (4 * n * n))
-    return {"count": k, "of": n, "share": round(k / n, 4), "interval95": [round((center - half) / d, 4),
-                                                                          round((center + half) / d, 4)]}
+    return {"count": k, "of": n, "share": round(k / n, 4),
+            "interval95": [round((center - half) / d, 4), round((center + half) / d, 4)]}
 
 
 def load_model(path: str | Path, device: str = "cpu") -> tuple[torch.nn.Module, Any, dict | None]:
-    """(model, tokenizer, run config) of a run directory, or (config None) of a transformers export, which
-    AutoModelForCausalLM loads without remote code: its numbers come from transformers' own Llama/Qwen3 classes."""
+    """(model, tokenizer, run config) of a run directory, or of a transformers export (config None: transformers'
+    own Llama/Qwen3 classes compute its numbers, loaded by AutoModelForCausalLM without remote code)."""
     config = Path(path) / "config.json"
     if not (config.is_file() and "model_type" in json.loads(config.read_bytes())):
         return load_run(path, device=device)
@@ -221,11 +194,10 @@ def load_model(path: str | Path, device: str = "cpu") -> tuple[torch.nn.Module, 
 
 @torch.no_grad()
 def token_scores(model: torch.nn.Module, rows: list[np.ndarray], last: int = 0, batch: int = 16) -> list[tuple]:
-    """For each row of ids: the loss (nats) of every next token and its rank among the model's predictions, counted
-    up to 5 (0: the most likely; 5: not in the top 5), in fp32; batches are right-padded, which a causal model's real
-    positions never see. last > 0: only the last `last` tokens of rows of one length (no logits for the others)."""
+    """Per row of ids: each next token's loss (nats, fp32) and rank among the predictions, counted up to 5 (5: not in
+    the top 5); last > 0: only the last `last` tokens of rows of one length (no logits for the others)."""
     out, device = [], next(model.parameters()).device
-    for i in range(0, len(rows), batch):
+    for i in range(0, len(rows), batch):  # right-padded: a causal model's real positions never see the padding
         ids = pad_collate([{"input_ids": torch.as_tensor(r)} for r in rows[i:i + batch]])["input_ids"].to(device)
         logits = model(ids, logits_to_keep=last + 1 if last else 0).logits[:, :-1].float()
         target = ids[:, -logits.shape[1]:]
@@ -269,10 +241,8 @@ def text_ids(tok: Any, docs: list[dict]) -> list[np.ndarray]:
 
 def text_ladder(model: torch.nn.Module, tok: Any, docs: list[dict], seq_len: int,
                 train_texts: list[str] | None = None) -> dict:
-    """The text rungs on held-out documents {"text"[, "source"]}: every token after [bos] scored once, in windows of
-    seq_len tokens overlapping by one (as training chunks documents), by the model and (given their training texts)
-    the n-gram baselines; per language and source: loss, bits per byte (total nats / (ln 2 x UTF-8 bytes)), top-1
-    and top-5 accuracy."""
+    """ladder_row per scorer (model, n-grams of train_texts) and group (all, language, source) of every token after
+    [bos], scored in windows of seq_len tokens that overlap by one, as training chunks text."""
     ids = text_ids(tok, docs)
     rows = [(k, s[a:a + seq_len]) for k, s in enumerate(ids) for a in range(0, max(1, len(s) - 1), seq_len - 1)]
     doc_of = np.repeat([k for k, _ in rows], [len(r) - 1 for _, r in rows])
@@ -288,13 +258,11 @@ def text_ladder(model: torch.nn.Module, tok: Any, docs: list[dict], seq_len: int
 
 
 def two_choice(model: torch.nn.Module, tok: Any, docs: list[dict], half: int = HALF) -> dict:
-    """Which continuation follows a passage: its own or that of another document of its language. Scored by how much
-    the passage raises each one's log-likelihood, log p(c | passage) - log p(c | [bos]) (plain log p(c | passage)
-    also reported: it favours whichever text is easier anyway). Each pair of documents is asked both ways, so a model
-    that ignores the passage scores 50% (a tie counts half); accuracy with its Wilson 95% interval."""
+    """Own continuation or that of another document of its language, scored by how much the passage raises each
+    one's log-likelihood, log p(c | passage) - log p(c | [bos]) (plain log p(c | passage) favours text that is easy
+    anyway: reported beside). Each pair is asked both ways, so ignoring the passage scores 50% (a tie counts half)."""
     ids, langs = text_ids(tok, docs), [language(d["text"]) for d in docs]
-    ok = [k for k, s in enumerate(ids) if len(s) > 2 * half]
-    if len(ok) < MIN_TWO_CHOICE_DOCS:
+    if len(ok := [k for k, s in enumerate(ids) if len(s) > 2 * half]) < MIN_TWO_CHOICE_DOCS:
         raise RunError(f"the two-choice test needs at least {MIN_TWO_CHOICE_DOCS} held-out documents of more than "
                        f"{2 * half} tokens; the data has {len(ok)} (of {len(ids)} documents)")
     by_lang = [[k for k in ok if langs[k] == lang] for lang in sorted({langs[k] for k in ok})]
@@ -303,7 +271,7 @@ def two_choice(model: torch.nn.Module, tok: Any, docs: list[dict], half: int = H
     rows = [np.concatenate([ids[p][:half + 1], cont(c)]) for a, b in pairs for p, c in ((a, a), (a, b), (b, b), (b, a))]
     alone = [np.concatenate([ids[c][:1], cont(c)]) for a, b in pairs for c in (a, b, b, a)]  # [bos] + continuation
     ll = np.array([-nll.sum() for nll, _ in token_scores(model, rows, half) + token_scores(model, alone, half)])
-    ll = ll.reshape(2, -1, 2)
+    ll = ll.reshape(2, -1, 2)  # (with passage, alone) x question x (own, other)
     gain = (ll[0] - ll[1]) @ np.array([1.0, -1.0])  # > 0: the passage raised its own continuation more
     result = share(float((gain > 0).sum() + 0.5 * (gain == 0).sum()), len(gain))
     low, high = result["interval95"]
@@ -314,9 +282,8 @@ def two_choice(model: torch.nn.Module, tok: Any, docs: list[dict], half: int = H
 
 def chat_ladder(model: torch.nn.Module, tok: Any, convs: list[list[dict]], seq_len: int, reply_tokens: int,
                 replies: int) -> dict:
-    """After SFT, on held-out conversations: the assistant-token loss (cut at seq_len, as SFT trains), and the greedy
-    replies to the first `replies` first questions: ended with <|im_end|> within reply_tokens, in the question's
-    language (by script; a reply or question with neither script counts as not)."""
+    """After SFT: the assistant-token loss (cut at seq_len, as SFT trains) and, for `replies` first questions, the
+    greedy reply: ended with <|im_end|> within reply_tokens? in the question's language (by script)?"""
     flat, lengths, mask = tokenize_samples("sft", convs, tok)
     cut = np.cumsum(lengths)[:-1]
     scored = token_scores(model, [s[:seq_len] for s in np.split(flat, cut)])
@@ -342,30 +309,29 @@ def _records(path: str | Path, kind: str, max_samples: int | None = None) -> lis
 
 
 def held_out(cfg: dict | None, data: str | Path | None) -> tuple[Path, tuple, list | None]:
-    """(held-out text file, (baselines' training file, max_samples), held-out conversations or None) of a run's
-    config (None: an export); `data` replaces the text ({"text"} lines) or the conversations ({"conversations"}).
-    The baselines learn from a pretraining run's own documents, else from the course's whole pretraining file."""
+    """(held-out text, (baselines' training file, max_samples), held-out conversations or None) of a run's config
+    (None: an export); `data`, a jsonl of {"text"} or of {"conversations"}, replaces the text or the conversations."""
     first = next(iter(JsonlReader(data)), None) if data is not None else None
     kind = next((k for k, key in PAYLOAD.items() if isinstance(first, dict) and key in first), None)
     if data is not None and kind is None:
         raise RunError(f"{data}: no usable text: " + ("no record in the file" if first is None else
                                                       "its first record holds neither 'text' nor 'conversations'"))
     cfg, convs = cfg or {}, None
-    stage, pre = cfg.get("stage"), cfg.get("stage") == "pretrain"
+    pre, sft = cfg.get("stage") == "pretrain", cfg.get("stage") == "sft"
     text = data if kind == "pretrain" else cfg.get("val_data") if pre else None
-    train = (cfg["data"], cfg.get("max_samples")) if pre else (find_data_file("pretrain"), None)
-    if kind == "sft" or (stage == "sft" and cfg.get("val_data")):
+    train = (cfg["data"], cfg.get("max_samples")) if pre else (find_data_file("pretrain"), None)  # what it learned
+    if kind == "sft" or (sft and cfg.get("val_data")):
         convs = _records(data if kind == "sft" else cfg["val_data"], "sft")
-    elif stage == "sft":  # the run's own held-out 5% of its SFT file
-        convs = _records(cfg["data"], "sft", cfg.get("max_samples"))
-        convs = [convs[i] for i in holdout_indices(len(convs), cfg["train"]["seed"])[1]]
+    elif sft:  # the run's own held-out 5% of its SFT file
+        every = _records(cfg["data"], "sft", cfg.get("max_samples"))
+        convs = [every[i] for i in holdout_indices(len(every), cfg["train"]["seed"])[1]]
     return Path(text or DATA_DIR / "pretrain_val.jsonl"), train, convs
 
 
 def evaluate_model(path: str | Path, data: str | Path | None = None, seq_len: int | None = None,
                    reply_tokens: int = 64, replies: int = 100, device: str = "cpu") -> dict:
-    """`python -m minimind_lib eval PATH`: the ladder of a run directory or a transformers export, in fp32 (see
-    held_out for the data; seq_len, the context: the run's, for an export the selected profile's)."""
+    """`python -m minimind_lib eval PATH`: the ladder of a run or a transformers export, fp32 (data: see held_out;
+    seq_len, the context: the run's, for an export the selected profile's)."""
     model, tok, cfg = load_model(path, device)
     trained = cfg if (cfg or {}).get("stage") in ("pretrain", "sft") else None  # import-hf's runs record no training
     seq_len = seq_len or (trained or {}).get("seq_len") or get_profile().seq_len

@@ -26,9 +26,11 @@ import torch
 
 from minimind_lib import pipeline
 from minimind_lib.device import device_name
-from minimind_lib.evaluate import BAND_FORMAT, BAND_VERSION, BANDS_DIR, QUANTILES, comparable, final_gap, grad_spikes
+from minimind_lib.evaluate import BAND_FORMAT, BAND_VERSION, BANDS_DIR, comparable, final_gap, grad_spikes
 from minimind_lib.fileio import atomic_write_text
 from minimind_lib.profiles import PROFILES, get_profile
+
+QUANTILES = (0.0, 0.25, 0.5, 0.75, 1.0)  # drawn as the band (0.5: the median seed); judged: the prediction interval
 
 
 def t_quantile(p: float, dof: int) -> float:
@@ -67,7 +69,8 @@ def stage_band(runs: list[dict], t95: float) -> dict:
             "training": first["training"], "tokens": [int(t) for t in tokens],
             "quantiles": {str(q): r4(np.quantile(losses, q, axis=0)) for q in QUANTILES},
             "mean": r4(mean), "lower": r4(mean - half), "upper": r4(mean + half),
-            "gap": {"per_seed": r4(gaps), "upper": round(float(gaps.mean() + t95 * gaps.std(ddof=1) * math.sqrt(1 + 1 / n)), 4)},
+            "gap": {"per_seed": r4(gaps),
+                    "upper": round(float(gaps.mean() + t95 * gaps.std(ddof=1) * math.sqrt(1 + 1 / n)), 4)},
             "grad_norm_max_over_median": r4([r["grad_ratio"] for r in runs]),
             "seed_curves": {str(r["seed"]): {"tokens": r["tokens"], "val_loss": r4(r["val_loss"])} for r in runs},
             "wall_time_s": [r["wall_time_s"] for r in runs]}
@@ -122,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     t95 = t_quantile(0.975, len(seeds) - 1)
     band = {"format": BAND_FORMAT, "version": BAND_VERSION, "profile": args.profile, "n_seeds": len(seeds),
             "seeds": seeds, "profile_sizes": get_profile(args.profile).to_dict(),
-            "made_by": {"command": " ".join(["python tools/make_reference.py", *(argv if argv is not None else sys.argv[1:])]),
+            "made_by": {"command": " ".join(["python tools/make_reference.py",
+                                             *(argv if argv is not None else sys.argv[1:])]),
                         "date": started.strftime("%Y-%m-%d"), "device": "cpu", "cpu": device_name(torch.device("cpu")),
                         "threads": torch.get_num_threads(), "torch": torch.__version__,
                         "python": platform.python_version()},
