@@ -110,12 +110,12 @@ def doctor(df: pd.DataFrame, cfg: dict, ref: dict | None = None) -> list[dict]:
             f"{steps['scale'].dropna().iloc[-1]:g}")
     if (n_skipped := int((~applied(steps)).sum())) > len(steps) / 2:
         add("most steps skipped", f"{n_skipped} of {len(steps)} optimizer steps changed no weight", True)
-    limit, last = math.log(cfg["model"]["vocab_size"]) + BLOWUP_NATS, validation_points(df)["val_loss"].iloc[-1]
+    limit, val = math.log(cfg["model"]["vocab_size"]) + BLOWUP_NATS, validation_points(df)["val_loss"]
     if len(blown := steps[(steps["loss"] > limit) | (steps["val_loss"] > limit)]):
         row = blown.iloc[0]
         add("loss blow-up", f"loss {np.nanmax([row['loss'], row['val_loss']]):.4g} at step {int(row['step'])}, above "
             f"ln {cfg['model']['vocab_size']} + {BLOWUP_NATS} = {limit:.2f} (ln vocab: guessing uniformly), lr "
-            f"{cfg['train']['lr']:g}; last validation loss {last:.4g}", True)
+            f"{cfg['train']['lr']:g}; last validation loss {val.iloc[-1] if len(val) else math.nan:.4g}", True)
     if (g := grad_spikes(df, cfg["train"].get("warmup_steps", 0)))["spikes"]:
         add("gradient-norm spikes", ", ".join(f"step {s}: {n:.3g} = {r:.0f}x the run's median {g['median']:.3g}"
                                               for s, n, r in g["spikes"][:3]) + f" ({len(g['spikes'])} in all)")
@@ -135,7 +135,7 @@ def judge(df: pd.DataFrame, cfg: dict) -> dict:
     val = val.assign(**{k: np.interp(val["tokens_seen"], tokens, ref[k]) for k in ("lower", "upper")},
                      median=np.interp(val["tokens_seen"], tokens, ref["quantiles"]["0.5"]))
     side = (val["val_loss"] > val["upper"]).to_numpy(int) - (val["val_loss"] < val["lower"]).to_numpy(int)
-    since = len(side) - next((i for i, s in enumerate(side[::-1]) if s != side[-1]), len(side))  # the last run's start
+    start = len(side) - next((i for i, s in enumerate(side[::-1]) if s != side[-1]), len(side))  # of the last run
     last = val.iloc[-1]
     covers = (f"the {band['profile']} band for {cfg['stage']} ({band['n_seeds']} seeds of the profile's run on "
               f"{mb['device']}, {mb['cpu']}, {mb['threads']} threads, {ref['dtype']}, torch {mb['torch']}, "
@@ -143,7 +143,7 @@ def judge(df: pd.DataFrame, cfg: dict) -> dict:
     at = (f"validation loss {last['val_loss']:.3f} at {int(last['tokens_seen']):,} tokens, the band allows "
           f"{last['lower']:.3f} to {last['upper']:.3f} (seeds' median {last['median']:.3f})")
     verdict = "diverged" if any(f["diverged"] for f in findings) else {0: "inside", 1: "above", -1: "below"}[side[-1]]
-    since = f" from {int(val['tokens_seen'].iloc[since]):,} tokens on" if verdict in ("above", "below") else ""
+    since = f" from {int(val['tokens_seen'].iloc[start]):,} tokens on" if verdict in ("above", "below") else ""
     summary = ("diverged: " + "; ".join(f"{f['cause']} ({f['evidence']})" for f in findings if f["diverged"])
                if verdict == "diverged" else f"{verdict} {covers}{since}: {at}"
                + ("; better than every reference seed (more steps or another lr?)" if verdict == "below" else ""))
