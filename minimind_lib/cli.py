@@ -143,20 +143,17 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_compare(args: argparse.Namespace) -> int:
-    """The run's verdict against its profile's band: exit 0 inside or below, 1 above or diverged (with reasons)."""
-    v = compare_run(args.run_dir)
-    lines = [v["summary"], *(f"  {f['cause']}: {f['evidence']}" for f in v["findings"]),
-             *(f"  note: {n}" for n in v["notes"])]
-    print(json.dumps(v, indent=2, default=str) if args.json else "\n".join(lines))
-    return v["exit_code"]
-
-
-def cmd_eval(args: argparse.Namespace) -> int:
-    """The evaluation ladder of a run directory or a transformers export, as a table or JSON."""
-    result = evaluate_model(args.path, args.data, args.seq_len, args.reply_tokens, args.replies)
-    print(json.dumps(result, indent=2, ensure_ascii=False) if args.json else describe_ladder(result))
-    return 0
+def cmd_health(args: argparse.Namespace) -> int:
+    """`compare`: a run's verdict against its band (exit 1: above or diverged); `eval`: the evaluation ladder."""
+    if args.command == "compare":
+        r = compare_run(args.path)
+        text = "\n".join([r["summary"], *(f"  {f['cause']}: {f['evidence']}" for f in r["findings"]),
+                          *(f"  note: {n}" for n in r["notes"])])
+    else:
+        r = evaluate_model(args.path, args.data, args.seq_len, replies=args.replies)
+        text = describe_ladder(r)
+    print(json.dumps(r, indent=2, ensure_ascii=False, default=str) if args.json else text)
+    return r.get("exit_code", 0)
 
 
 def add_subcommands(subparsers) -> None:
@@ -192,18 +189,16 @@ def add_subcommands(subparsers) -> None:
         parser.add_argument("--allow-other-files", action="store_true", help="write beside files it did not write")
         parser.set_defaults(func=cmd_export)
     m = subparsers.add_parser("compare", help="is a run healthy? its validation loss against its profile's band")
-    m.add_argument("run_dir", help="a run directory (config.json, metrics.csv)")
-    m.set_defaults(func=cmd_compare)
     v = subparsers.add_parser("eval", help="what did a model learn? the evaluation ladder on held-out data")
-    v.add_argument("path", help="a run directory, or a transformers directory written by export")
     v.add_argument("--data", default=None, help="a {'text'} jsonl for the held-out text, or a {'conversations'} "
                    "jsonl for the held-out conversations (default: the run's held-out data)")
     v.add_argument("--seq-len", type=POSITIVE, default=None, help="context in tokens (default: the run's seq_len)")
-    v.add_argument("--reply-tokens", type=POSITIVE, default=64, help="reply budget after SFT (default 64)")
-    v.add_argument("--replies", type=POSITIVE, default=100, help="replies generated after SFT, at most (default 100)")
-    v.set_defaults(func=cmd_eval)
-    for parser in (m, v):
+    v.add_argument("--replies", type=POSITIVE, default=100, help="greedy replies after SFT, at most (default 100)")
+    for parser, what in ((m, "a run directory (config.json, metrics.csv)"),
+                         (v, "a run directory, or a transformers directory written by export")):
+        parser.add_argument("path", help=what)
         parser.add_argument("--json", action="store_true", help="print one JSON object")
+        parser.set_defaults(func=cmd_health)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -233,7 +233,7 @@ def test_eval_cli_reports_the_ladder_and_nothing_is_written(runs, tmp_path, held
     small = tmp_path / "small.jsonl"
     small.write_text("".join(json.dumps(d, ensure_ascii=False) + "\n" for d in held_out_docs[:40]), encoding="utf-8")
     before = snapshot(runs["sft"])
-    code, out, _ = run_cli(["eval", runs["sft"], "--data", small, "--replies", 3, "--reply-tokens", 8, "--json"])
+    code, out, _ = run_cli(["eval", runs["sft"], "--data", small, "--replies", 3, "--json"])
     result = json.loads(out)
     assert code == 0 and snapshot(runs["sft"]) == before
     assert result["documents"] == 40 and set(result["table"]) == {"model", "unigram (add-one)", "bigram (Witten-Bell)"}
@@ -241,7 +241,7 @@ def test_eval_cli_reports_the_ladder_and_nothing_is_written(runs, tmp_path, held
     chat = result["chat"]  # the SFT run's own held-out 5%, the conversations its validation loss came from
     assert chat["conversations"] == runs["sft_result"].config["sft_val_holdout"]
     assert chat["ended_with_im_end"]["of"] == 3
-    code, text, _ = run_cli(["eval", runs["sft"], "--data", small, "--replies", 1, "--reply-tokens", 4])
+    code, text, _ = run_cli(["eval", runs["sft"], "--data", small, "--replies", 1])
     assert code == 0 and "bits_per_byte" in text and "two-choice continuation" in text and "after SFT" in text
 
 
