@@ -16,9 +16,9 @@ from torch.utils.data import Dataset, Subset
 
 from .corpus import (PAYLOAD, JsonlReader, check_choice, read_memmap_meta, tokenize_samples, tokenize_to_memmap,
                      tokenizer_fingerprint)
+from .model import IGNORE_INDEX  # the label of a position whose next token is not trained (PyTorch CE ignore_index)
 from .tokenizer import check_vocab
 
-IGNORE_INDEX = -100  # the label of a position whose next token is not trained (PyTorch CE ignore_index)
 LONG_DOCS = ("truncate", "chunk")  # what a pretrain dataset does with a document longer than seq_len
 LONG_DOCS_BY_KIND = {"pretrain": "chunk", "sft": "truncate"}  # a run's: documents split into rows, conversations cut
 

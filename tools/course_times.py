@@ -45,7 +45,7 @@ def profile_of(nb: nbformat.NotebookNode) -> tuple[str, str] | None:
     """(profile, device) of an executed notebook, read from the `DEVICE, profile=NAME` line its first cells print."""
     for cell in nb.cells[:6]:
         for output in cell.get("outputs", []):
-            if match := re.search(r"^(.*), profile=(\w+), (torch .*)$", str(output.get("text", "")), re.M):
+            if match := re.search(r"^(.*), profile=([\w-]+), (torch .*)$", str(output.get("text", "")), re.M):
                 return match.group(2), f"{match.group(1)}, {match.group(3)}"
     return None
 
