@@ -101,3 +101,15 @@ def test_bad_keys_and_mixed_profiles_are_named(tmp_path: Path):
         doc_numbers.render("<!--n:out:nope-->x<!--/n-->", "doc.md", notebook_dir=tmp_path)
     with pytest.raises(SystemExit, match=r"doc.md:1: 'size:all': a key starts with one of est:, run:, out:"):
         doc_numbers.render("<!--n:size:all-->x<!--/n-->", "doc.md", notebook_dir=tmp_path)
+
+
+def test_an_optional_part_is_estimated_apart(tmp_path: Path):
+    """Cells from a "## Part N (optional)" heading on are left out of the reading minutes and the plans' sums."""
+    cells = [nbformat.v4.new_markdown_cell("word " * 1200),  # 10 minutes at 120 words a minute
+             nbformat.v4.new_markdown_cell("## Part 2 (optional): more\n" + "word " * 2395)]  # 2,400 words: 20
+    nbformat.write(nbformat.v4.new_notebook(cells=cells), tmp_path / "03_x.ipynb")
+    row = course_times.estimates(tmp_path)["03"]
+    assert (row["words"], row["reading"], row["optional"]) == (3600, 10, 20)
+    assert doc_numbers.estimate_value("total:03", tmp_path) == "10"
+    assert doc_numbers.estimate_value("optional:03", tmp_path) == "20"
+    assert "| 10 | 20 |" in course_times.estimate_table(tmp_path)

@@ -126,28 +126,40 @@ def minutes_table(timings_dir: Path = TIMINGS_DIR) -> str:
 WORDS_PER_MINUTE, CODE_LINES_PER_MINUTE, MINUTES_PER_EXERCISE = 120, 15, 10
 
 
+OPTIONAL_PART = re.compile(r"^## Part \d+ \(optional\)")  # a notebook's optional part runs from this heading to its end
+
+
+def _reading(cells: list) -> tuple[int, int, float]:
+    """Words of the markdown cells, non-blank code lines, and the minutes to read both at the stated paces."""
+    words = sum(len(c.source.split()) for c in cells if c.cell_type == "markdown")
+    code = sum(len([ln for ln in c.source.splitlines() if ln.strip()]) for c in cells if c.cell_type == "code")
+    return words, code, words / WORDS_PER_MINUTE + code / CODE_LINES_PER_MINUTE
+
+
 def estimates(notebook_dir: Path = REPO / "notebooks") -> dict[str, dict]:
     """Per notebook (by its number, "00"...): words, code lines, exercises, and the estimated reading and exercise
-    minutes, rounded as the table shows them (so that the guide's sums are sums of its table)."""
+    minutes, rounded as the table shows them (so that the guide's sums are sums of its table). "reading" leaves out
+    an optional part (from a "## Part N (optional)" heading on), whose reading minutes are "optional"."""
     rows = {}
     for path in sorted(notebook_dir.glob("[0-9][0-9]_*.ipynb")):
         cells = nbformat.read(path, as_version=4).cells
-        words = sum(len(c.source.split()) for c in cells if c.cell_type == "markdown")
-        code = sum(len([ln for ln in c.source.splitlines() if ln.strip()]) for c in cells if c.cell_type == "code")
+        start = next((i for i, c in enumerate(cells) if c.cell_type == "markdown" and OPTIONAL_PART.match(c.source)),
+                     len(cells))
+        (words, code, reading), optional = _reading(cells[:start]), _reading(cells[start:])
         exercises = sum(bool(re.match(r"#+ Exercise \d", c.source)) for c in cells if c.cell_type == "markdown")
-        rows[path.stem[:2]] = {"stem": path.stem, "words": words, "code": code, "exercises": exercises,
-                               "reading": round(words / WORDS_PER_MINUTE + code / CODE_LINES_PER_MINUTE),
+        rows[path.stem[:2]] = {"stem": path.stem, "words": words + optional[0], "code": code + optional[1],
+                               "exercises": exercises, "reading": round(reading), "optional": round(optional[2]),
                                "exercise_minutes": exercises * MINUTES_PER_EXERCISE}
     return rows
 
 
 def estimate_table(notebook_dir: Path = REPO / "notebooks") -> str:
     """Estimated minutes a learner spends reading and doing the exercises of each notebook, from its text."""
-    lines = ["| notebook | words | code lines | exercises | reading (min, est.) | exercises (min, est.) |",
-             "|---|---:|---:|---:|---:|---:|"]
+    lines = ["| notebook | words | code lines | exercises | reading (min, est.) | optional part (min, est.) | "
+             "exercises (min, est.) |", "|---|---:|---:|---:|---:|---:|---:|"]
     for r in estimates(notebook_dir).values():
         lines.append(f"| `{r['stem']}` | {r['words']:,} | {r['code']:,} | {r['exercises']} | {r['reading']} | "
-                     f"{r['exercise_minutes']} |")
+                     f"{r['optional'] or ''} | {r['exercise_minutes']} |")
     return "\n".join(lines)
 
 
