@@ -5,7 +5,8 @@ between markers, `<!--n:KEY-->VALUE<!--/n-->` (invisible once rendered), and thi
 
     est:COLUMN:NOTEBOOKS[<=LIMIT]  a sum of the guide's estimates table (tools/course_times.py): COLUMN is reading,
                                    exercises, total (minutes; without optional parts), optional (the optional parts'
-                                   reading) or hours; NOTEBOOKS is `all`, `04-06` or `07,08`;
+                                   reading), lab (minutes to write the lab edition's regions), regions (how many)
+                                   or hours; NOTEBOOKS is `all`, `04-06` or `07,08`;
                                    terms add up (`total:07,08+exercises:09`). With <=LIMIT the minutes must fit in
                                    LIMIT (a plan's session), or this fails and names the session.
     run:PROFILE:NOTEBOOKS          minutes measured in that profile (docs/timings/PROFILE.json), summed
@@ -135,7 +136,8 @@ def estimate_value(spec: str, notebook_dir: Path = NOTEBOOKS) -> str:
     terms, _, limit = spec.partition("<=")
     table = course_times.estimates(notebook_dir)
     columns = {"reading": lambda r: r["reading"], "exercises": lambda r: r["exercise_minutes"],
-               "total": lambda r: r["reading"] + r["exercise_minutes"], "optional": lambda r: r["optional"]}
+               "total": lambda r: r["reading"] + r["exercise_minutes"], "optional": lambda r: r["optional"],
+               "lab": lambda r: r["lab_minutes"], "regions": lambda r: len(r["regions"])}
     minutes = 0
     for term in terms.split("+"):
         column, _, chosen = term.partition(":")
