@@ -128,5 +128,5 @@ class BaselineRecipe:
                 f"got {len(micro_batches)}"
             )
         losses = [self.micro_step(mb) for mb in micro_batches]
-        loss = float(torch.stack(losses).sum())  # one sync per step, as our loop does
+        loss = torch.stack(losses).sum()  # unread, as MiniMind reads it only every log_interval steps (so does ours)
         return {"loss": loss, "n_tokens": sum(int(mb["loss_mask"].sum()) for mb in micro_batches)}  # trained tokens

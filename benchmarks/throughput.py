@@ -1,7 +1,7 @@
 """Training throughput, model FLOPs utilisation, and ours vs MiniMind's recipe on the same batches.
 
-    python -m benchmarks throughput --json [--config NAME] [--seq N] [--batch B] [--steps S]
-                                                   [--baseline] [--compile] [--strategy budget|pack] [--levers]
+    python -m benchmarks throughput --json [--config NAME] [--seq N] [--batch B] [--steps S] [--repeats R]
+                                    [--baseline] [--ablation] [--compile] [--strategy budget|pack] [--levers]
 
 What is timed: whole optimizer steps (host-to-device copies, forward, backward, clipping, optimizer) over
 samples read from data/pretrain.jsonl and tokenized beforehand (both recipes get ready-made CPU batches, as a
@@ -15,7 +15,10 @@ torch has a fused kernel for the device (CUDA and, since torch 2.4, CPU).
 Baseline (--baseline): benchmarks.baseline, MiniMind's recipe on the same samples and the same number of
 optimizer steps (pad to max length, per-micro-batch mean / accumulation_steps, fp16 autocast + GradScaler on CUDA
 and fp32 on CPU, torch's default AdamW). The two are timed back to back, `--repeats` times, alternating which goes
-first; ``ratio_useful_tokens_per_s`` is the median of the per-repeat (paired) ratios, tokens/s are medians.
+first; ``ratio_useful_tokens_per_s`` is the median of the per-repeat (paired) ratios, all of which are reported
+(``ratio_useful_tokens_per_s_runs``, with their min and max), tokens/s are medians. ``--ablation`` goes from the
+recipe to ours one change at a time (our loop, then token budgets, then our dtype, then fused AdamW), each paired
+ratio against the previous rung: what padding, dtype and optimizer each contribute.
 
 Useful tokens are trained tokens, ``(labels[:, 1:] != -100).sum()``: both recipes train exactly the same ones.
 
@@ -32,7 +35,11 @@ T x T square as PaLM does (causal masking halves the work a kernel must do; this
 ``model_flops_per_token`` is reported at T = --seq. ``achieved_flops_per_s`` sums, per micro-batch, trained
 tokens x (6N + 12 L d T_mb) with T_mb that micro-batch's row length, divided by the median step time: padding
 is never counted as useful work. ``matmul_peak_flops_per_s`` is measured in the same process by a large square
-matmul in the training dtype (bf16 on a bf16 GPU, fp32 on a CPU without native bf16).
+matmul in the training dtype (bf16 on a bf16 GPU, fp32 on a CPU without native bf16): GPUs reach ~80% of their spec
+in such a matmul, so ``fraction_of_matmul_peak`` reads higher than the usual MFU. ``mfu`` is the usual one, against
+``spec_peak_flops_per_s``, the datasheet's dense peak of known GPUs (SPEC_PEAK_FLOPS; null on a CPU or an unknown GPU).
+Packed rows (--strategy pack) are masked per document with batching.document_mask ("auto": FlexAttention on CUDA,
+the dense block mask elsewhere; ``doc_attention`` says which).
 """
 
 from __future__ import annotations
@@ -59,7 +66,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader
 
-from minimind_lib.batching import TokenBudgetBatchSampler, collate_packed, pack_sequences
+from minimind_lib.batching import TokenBudgetBatchSampler, collate_packed, document_mask, pack_sequences
 from minimind_lib.data import IGNORE_INDEX, PretrainDataset, pad_collate, trained_tokens
 from minimind_lib.device import device_name, get_device, synchronize
 from minimind_lib.memory import MemoryMeter
@@ -67,13 +74,18 @@ from minimind_lib.model import MiniMindConfig, MiniMindForCausalLM, count_parame
 from minimind_lib.paths import DATA_DIR
 from minimind_lib.profiles import get_profile
 from minimind_lib.tokenizer import load_tokenizer
-from minimind_lib.train import TrainConfig, accumulate_step, build_optimizer, lr_at, make_scaler, resolve_amp
+from minimind_lib.train import (TrainConfig, accumulate_step, build_optimizer, forward_logits, lr_at, make_scaler,
+                                optimizer_step, resolve_amp)
 
 from .baseline import BaselineRecipe, minimind_rows
 STRATEGIES = ("budget", "pack")
 LEVERS = ("fused_adamw", "sdpa_backend", "chunked_cross_entropy", "activation_checkpointing", "torch_compile",
           "pinned_memory", "dataloader_workers")
 FLOPS_FORMULA = "6*N + 12*L*d*T (PaLM); N = all parameters counted once (tied embedding = lm_head matmul)"
+# Datasheet dense (no sparsity) tensor-core peaks, FLOP/s, in the dtype named: H100/H200 SXM and A100 bf16, RTX 4090 and
+# 3090 bf16 with fp32 accumulation, T4 fp16 (it has no bf16). Matched by substring of torch.cuda.get_device_name.
+SPEC_PEAK_FLOPS = (("H100", 989e12, "bf16"), ("H200", 989e12, "bf16"), ("A100", 312e12, "bf16"),
+                   ("RTX 4090", 165e12, "bf16"), ("RTX 3090", 71e12, "bf16"), ("T4", 65e12, "fp16"))
 
 
 # --------------------------------------------------------------------------------------------- arguments
@@ -90,9 +102,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=None,
                    help="our micro-batch budget, rows x longest row (default: batch x seq, the baseline's size)")
     p.add_argument("--steps", type=int, default=3, help="optimizer steps per timed repeat")
-    p.add_argument("--repeats", type=int, default=3, help="timed repeats (alternating recipes); medians are reported")
+    p.add_argument("--repeats", type=int, default=5,
+                   help="timed repeats (alternating recipes): every paired ratio is reported, with median, min, max")
     p.add_argument("--strategy", default="budget", choices=STRATEGIES, help="our batching: token budget or packing")
     p.add_argument("--baseline", action="store_true", help="also time MiniMind's recipe on the same samples")
+    p.add_argument("--ablation", action="store_true",
+                   help="time the recipe-to-ours ladder instead: padding, dtype and optimizer separated (run_ablation)")
     p.add_argument("--compile", action="store_true", help="torch.compile our model (falls back to eager if unavailable)")
     p.add_argument("--fused", default="auto", choices=("auto", "on", "off"),
                    help="our AdamW: auto = fused where this torch supports it on the device")
@@ -182,9 +197,7 @@ def ours_micro_batches(samples: Sequence[dict], seq_len: int, max_tokens: int, s
         out = []
         for start in range(0, n, rows_per_mb):
             rows = [{k: v[i] for k, v in packed.items()} for i in range(start, min(n, start + rows_per_mb))]
-            mb = collate_packed(rows, block_mask=True)
-            mb.pop("doc_ids")
-            out.append(mb)
+            out.append(collate_packed(rows, block_mask="auto"))  # the mask is made on the device (document_mask)
         return out
     raise ValueError(f"strategy={strategy!r}; choose one of {STRATEGIES}")
 
@@ -209,6 +222,22 @@ def useful_flops(micro_batches: Sequence[dict], config, n_params: int) -> float:
         t = (mb["X"] if "loss_mask" in mb else mb["input_ids"]).shape[1]
         total += micro_batch_tokens([mb]) * model_flops_per_token(config, n_params, t)
     return total
+
+
+def doc_attention(device: torch.device) -> str:
+    """The kernel that masks packed rows here: what batching.document_mask("auto") builds on this device."""
+    return "dense" if torch.is_tensor(document_mask(torch.zeros(1, 8, dtype=torch.long, device=device))) else "flex"
+
+
+def spec_peak(name: str) -> tuple[float | None, str | None]:
+    """(FLOP/s, dtype) of a device named `name` from SPEC_PEAK_FLOPS, or (None, None) for a CPU or an unknown GPU."""
+    return next(((flops, dtype) for key, flops, dtype in SPEC_PEAK_FLOPS if key in name), (None, None))
+
+
+def ratio_stats(name: str, ratios: Sequence[float]) -> dict:
+    """Every paired ratio of a comparison, with their median, min and max (a median of two is only their mean)."""
+    return {name: statistics.median(ratios), f"{name}_runs": [float(r) for r in ratios], f"{name}_min": min(ratios),
+            f"{name}_max": max(ratios)}
 
 
 def measure_matmul_peak(device: torch.device, dtype: torch.dtype, n: int | None = None, iters: int | None = None) -> float:
@@ -265,9 +294,10 @@ def make_optimizer(model: nn.Module, cfg, device: torch.device, fused: str = "au
 class OursRecipe:
     """The library's recipe for one model: exact token-weighted accumulation, resolve_amp, AdamW, clipping."""
 
-    def __init__(self, model: nn.Module, device: torch.device, lr: float, total_steps: int, fused: str = "auto"):
+    def __init__(self, model: nn.Module, device: torch.device, lr: float, total_steps: int, fused: str = "auto",
+                 amp: str = "auto"):
         self.model, self.device = model, device
-        self.cfg = TrainConfig(lr=lr, max_steps=max(1, total_steps), warmup_steps=1, progress=False)
+        self.cfg = TrainConfig(lr=lr, max_steps=max(1, total_steps), warmup_steps=1, progress=False, amp=amp)
         self.amp = resolve_amp(self.cfg.amp, device, model.config.hidden_size)
         self.scaler = make_scaler(self.amp, device)
         self.optimizer, self.optimizer_impl = make_optimizer(model, self.cfg, device, fused)
@@ -275,22 +305,15 @@ class OursRecipe:
         self.step = 0
 
     def train_step(self, micro_batches: Sequence[dict]) -> dict:
-        """One optimizer step over the micro-batches (what train.fit does per step, minus logging)."""
+        """One optimizer step over the micro-batches (what train.fit does per step between its log points: nothing is
+        read back from the device; a fused AdamW skips a NaN/inf step on the device, another reads the verdict)."""
         lr = lr_at(self.step, lr=self.cfg.lr, min_lr=self.cfg.min_lr, warmup_steps=self.cfg.warmup_steps,
                    max_steps=self.cfg.max_steps)
         for g in self.optimizer.param_groups:
             g["lr"] = lr
         stats = accumulate_step(self.model, micro_batches, amp_dtype=self.amp.dtype, scaler=self.scaler,
-                                device=self.device)
-        if self.scaler is not None:
-            self.scaler.unscale_(self.optimizer)
-        torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
-        if self.scaler is not None:
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-        else:
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+                                device=self.device, sync=False)
+        optimizer_step(self.optimizer, self.params, self.cfg.grad_clip, self.scaler, stats["loss_sum"])
         self.step += 1
         return stats
 
@@ -449,6 +472,7 @@ def run_throughput(args: argparse.Namespace) -> dict:
     flops = sum(useful_flops(m, config, n_params) for m in s["ours"])
     amp_dtype = ours.amp.dtype or torch.float32
     peak_mm = measure_matmul_peak(device, amp_dtype)
+    spec, spec_dtype = spec_peak(device_name(device))  # (None, None) on a CPU
     result = {
         "benchmark": "throughput",
         "device": device.type,
@@ -473,6 +497,9 @@ def run_throughput(args: argparse.Namespace) -> dict:
         "matmul_peak_flops_per_s": peak_mm,
         "matmul_dtype": str(amp_dtype).replace("torch.", ""),
         "fraction_of_matmul_peak": flops / t_ours / peak_mm,
+        "spec_peak_flops_per_s": spec, "spec_peak_dtype": spec_dtype,
+        "mfu": flops / t_ours / spec if spec else None,
+        "doc_attention": doc_attention(device) if args.strategy == "pack" else None,
         "seconds_per_repeat": [round(t, 4) for t in times_ours],
         **s["data_info"],
     }
@@ -486,15 +513,15 @@ def run_throughput(args: argparse.Namespace) -> dict:
         result.update({
             "ours_tokens_per_s": tokens / t_ours,
             "baseline_tokens_per_s": base_tokens / t_base,
-            "ratio_useful_tokens_per_s": statistics.median(paired),
+            **ratio_stats("ratio_useful_tokens_per_s", paired),
             "ratio_of_median_tokens_per_s": (tokens / t_ours) / (base_tokens / t_base),
-            "ratio_per_repeat": [round(r, 4) for r in paired],
             "baseline_trained_tokens_per_repeat": base_tokens,
             "baseline_padding_fraction": 1 - base_tokens / sum(mb["X"].numel() for m in s["base"] for mb in m),
             "baseline_amp": baseline.amp_name,
             "baseline_optimizer": "AdamW (torch default)",
             "baseline_achieved_flops_per_s": base_flops / t_base,
             "baseline_fraction_of_matmul_peak": base_flops / t_base / peak_mm,
+            "baseline_mfu": base_flops / t_base / spec if spec else None,
             "baseline_seconds_per_repeat": [round(t, 4) for t in times_base],
         })
     if not args.no_memory:
@@ -572,13 +599,12 @@ def _alternate(fns: dict[str, Callable[[], object]], device: torch.device, repea
 
 def _fwd_bwd(model: nn.Module, mb: dict, amp_dtype, device: torch.device, loss_fn=None) -> Callable[[], None]:
     """A closure: forward + sum-loss + backward on one micro-batch, grads dropped afterwards."""
-    mb = {k: v.to(device) for k, v in mb.items()}
+    mb = {k: v.to(device) if torch.is_tensor(v) else v for k, v in mb.items()}
 
     def run() -> None:
         with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-            if loss_fn is None:
-                kwargs = {k: mb[k] for k in ("attention_mask", "position_ids") if k in mb}
-                loss = lm_loss(model(mb["input_ids"], **kwargs).logits, mb["labels"], reduction="sum")
+            if loss_fn is None:  # forward_logits: a packed micro-batch's document mask is made on the device
+                loss = lm_loss(forward_logits(model, mb, amp_dtype), mb["labels"], reduction="sum")
             else:
                 loss = loss_fn(model, mb)
         loss.backward()
@@ -674,7 +700,7 @@ def run_levers(args: argparse.Namespace) -> dict:
                 levers.setdefault("sdpa_backend_unavailable", {})[name] = str(exc).splitlines()[0][:160]
         # MiniMind-style "causal AND key is not padding" as an explicit (B, 1, T, T) mask. (A 2-D mask of
         # right-padded rows would measure nothing: model.build_attention_mask drops it for the is_causal path.)
-        masked = dict(big)
+        masked = {k: v for k, v in big.items() if k != "block_mask"}  # packed rows: this mask instead
         T = big["input_ids"].shape[1]
         real = big["labels"] != IGNORE_INDEX
         real[:, 0] = True
@@ -790,7 +816,55 @@ def run_levers(args: argparse.Namespace) -> dict:
             "lever_repeats": reps, "levers": levers}
 
 
+# --------------------------------------------------------------------------------------------- ablation
+
+ABLATION = (  # (lever, what changes at this rung), from MiniMind's recipe to ours, one change at a time
+    ("loop", "the library's loop (token-weighted accumulation, parameter groups), the recipe's rows, dtype, AdamW"),
+    ("padding", "token-budget micro-batches (or packed rows) instead of rows padded to seq"),
+    ("dtype", "train.resolve_amp's autocast instead of the recipe's (fp16 + GradScaler on CUDA, fp32 on CPU)"),
+    ("optimizer", "fused AdamW (also skips a NaN/inf step on the device) instead of torch's default"))
+
+
+def run_ablation(args: argparse.Namespace) -> dict:
+    """The recipe, then ours one lever at a time, timed in rotating order on the same samples from the same weights;
+    each lever's paired ratios (its rung's useful tokens/s over the previous rung's), and ours over the recipe."""
+    s = _setup(args)
+    device, config, profile, batch, pad = s["device"], s["config"], s["profile"], s["batch"], s["tok"].pad_token_id
+    recipe_amp = "fp16" if device.type == "cuda" else "off"  # MiniMind: torch.cuda.amp.autocast() on CUDA only
+    fixed = [[{k: v for k, v in pad_collate(g[i:i + batch], pad, s["seq"], fixed=True).items() if k != "attention_mask"}
+              for i in range(0, len(g), batch)] for g in s["groups"]]
+    model, total = _new_model(config, device, args.seed), args.steps * (args.repeats + 1)
+    rungs = {"recipe": (BaselineRecipe(copy.deepcopy(model), device, lr=profile.lr, accumulation_steps=s["accum"],
+                                       total_steps=total * s["accum"]), s["base"])}
+    for lever, amp, fused, batches in (("loop", recipe_amp, "off", fixed), ("padding", recipe_amp, "off", s["ours"]),
+                                       ("dtype", "auto", "off", s["ours"]), ("optimizer", "auto", args.fused, s["ours"])):
+        rungs[lever] = (OursRecipe(copy.deepcopy(model), device, profile.lr, total, fused, amp), batches)
+    tokens = {name: sum(micro_batch_tokens(m) for m in batches) for name, (_, batches) in rungs.items()}
+    run = {name: (lambda r=r, batches=batches: [r.train_step(mbs) for mbs in batches]) for name, (r, batches) in rungs.items()}
+    for name, (r, batches) in rungs.items():  # warm-up, untimed
+        r.train_step(batches[0])
+    times: dict[str, list[float]] = {name: [] for name in rungs}
+    names = list(rungs)
+    for rep in range(args.repeats):
+        for name in names[rep % len(names):] + names[:rep % len(names)]:
+            times[name].append(_timed(run[name], device))
+    speed = {name: [tokens[name] / t for t in ts] for name, ts in times.items()}
+    levers = {lever: {"changes": what, **ratio_stats("ratio", [a / b for a, b in zip(speed[lever], speed[prev])])}
+              for (lever, what), prev in zip(ABLATION, names)}
+    return {"benchmark": "throughput-ablation", "device": device.type, "device_name": device_name(device),
+            "profile": profile.name, "torch": torch.__version__, "config": {"preset": s["preset"], **config.to_dict()},
+            "seq": s["seq"], "batch": batch, "accum": s["accum"], "steps": args.steps, "repeats": args.repeats,
+            "strategy": args.strategy, "rungs": names, "amp": {n: r.amp.name if hasattr(r, "amp") else r.amp_name
+                                                               for n, (r, _) in rungs.items()},
+            "optimizer": {n: getattr(r, "optimizer_impl", "default") for n, (r, _) in rungs.items()},
+            "trained_tokens_per_repeat": tokens, "levers": levers,
+            "product_of_median_ratios": math.prod(v["ratio"] for v in levers.values()),
+            **ratio_stats("ratio_ours_vs_recipe", [a / b for a, b in zip(speed["optimizer"], speed["recipe"])]),
+            "note": "each lever's ratio is its rung's useful tokens/s over the previous rung's, paired within a "
+                    "repeat (rotating order); their product is ours over the recipe up to the spread of the runs"}
+
+
 def main(argv: Sequence[str]) -> dict:
-    """Parse arguments and run the throughput benchmark (or the levers with --levers); returns the JSON dict."""
+    """Parse arguments and run the throughput benchmark (or the levers with --levers, the ladder with --ablation)."""
     args = parse_args(argv)
-    return run_levers(args) if args.levers else run_throughput(args)
+    return run_levers(args) if args.levers else run_ablation(args) if args.ablation else run_throughput(args)

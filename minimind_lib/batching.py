@@ -1,5 +1,5 @@
 """Dynamic batching (notebook 06_dynamic_batching): token budgets (TokenBudgetBatchSampler), packing (pack_sequences,
-block_causal_mask), OOM-safe adaptive micro-batches (AdaptiveBatchController), steps (TokenBudgetSteps)."""
+its masks), OOM-safe adaptive micro-batches (AdaptiveBatchController), steps (TokenBudgetSteps)."""
 
 import gc
 import math
@@ -8,10 +8,10 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 from torch.utils.data import Dataset, Sampler
 
 from .data import IGNORE_INDEX, pad_collate
-from .memory import OutOfMemory
 
 
 def sort_megabatches(order: np.ndarray, lengths: np.ndarray, size: int) -> list[np.ndarray]:
@@ -171,6 +171,19 @@ def block_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
     return ((doc_ids[:, :, None] == doc_ids[:, None, :]) & causal)[:, None]
 
 
+def document_mask(doc_ids: torch.Tensor, kernel: str = "auto") -> torch.Tensor | BlockMask:
+    """The block-causal mask of (B, T) doc_ids on their device, the model's attention_mask: "flex", FlexAttention's
+    BlockMask (a fused kernel skips the tiles no query may see), or "dense", block_causal_mask (B*T*T entries for
+    SDPA, off its flash kernels); "auto": flex on CUDA only (torch 2.13's FlexAttention has no CPU backward)."""
+    if kernel not in ("auto", "flex", "dense"):
+        raise ValueError(f"block mask kernel {kernel!r}; choose 'auto', 'flex' or 'dense'")
+    if kernel == "dense" or (kernel == "auto" and doc_ids.device.type != "cuda"):
+        return block_causal_mask(doc_ids)
+    same_doc_causal = lambda b, h, q, kv: (doc_ids[b, q] == doc_ids[b, kv]) & (kv <= q)  # noqa: E731
+    return create_block_mask(same_doc_causal, doc_ids.shape[0], None, doc_ids.shape[1], doc_ids.shape[1],
+                             device=doc_ids.device)
+
+
 class PackedDataset(Dataset):
     """Rows of exactly seq_len packed from a dataset of samples; items are dicts of (seq_len,) tensors."""
     def __init__(self, samples: Sequence[Any], seq_len: int, *, pad_id: int = 0) -> None:
@@ -184,19 +197,23 @@ class PackedDataset(Dataset):
         return {k: v[i] for k, v in self.rows.items()}
 
 
-def collate_packed(rows: list[dict], block_mask: bool = True) -> dict[str, torch.Tensor]:
-    """Stacked packed rows; attention_mask: the (B,1,T,T) block-causal mask (absent if not block_mask: plain causal)."""
+def collate_packed(rows: list[dict], block_mask: bool | str = True) -> dict:
+    """Stacked packed rows: block_mask=True adds the (B,1,T,T) block-causal attention_mask, False none (plain causal);
+    "auto", "flex" or "dense" ask the loop (train.forward_logits) for document_mask(doc_ids, kernel) on the device."""
     if not rows:
         raise ValueError("collate_packed got an empty list of rows")
+    if block_mask not in (True, False, "auto", "flex", "dense"):
+        raise ValueError(f"block_mask={block_mask!r}; choose True, False, 'auto', 'flex' or 'dense'")
     out = {k: torch.stack([r[k] for r in rows]) for k in ("input_ids", "labels", "position_ids", "doc_ids")}
-    return {**out, "attention_mask": block_causal_mask(out["doc_ids"])} if block_mask else out
+    return {**out, "attention_mask": block_causal_mask(out["doc_ids"])} if block_mask is True else \
+        {**out, "block_mask": block_mask} if block_mask else out
 
 
 def is_oom_error(err: BaseException) -> bool:
-    """True for an out-of-memory error: torch.OutOfMemoryError, memory.OutOfMemory, or a RuntimeError saying so."""
+    """True for an out-of-memory error: torch.OutOfMemoryError (memory.OutOfMemory too) or a RuntimeError saying so."""
     phrases = ("out of memory", "allocate memory", "status_alloc_failed")  # cuBLAS/cuDNN on a full GPU: *_ALLOC_FAILED
     said_so = isinstance(err, RuntimeError) and any(p in str(err).lower() for p in phrases)
-    return said_so or isinstance(err, (OutOfMemory, MemoryError, torch.OutOfMemoryError))
+    return said_so or isinstance(err, (MemoryError, torch.OutOfMemoryError))
 
 
 def step_groups(step: Sequence) -> list[list]:
@@ -266,11 +283,13 @@ class BatchEvent:
 
 class AdaptiveBatchController:
     """Splits each step into micro-batches of micro_batch_size rows and/or max_tokens (rows x longest row), resized
-    every check_every steps by memory_check (step peaks vs meter.budget_bytes); an OOM retries at after_oom's sizes."""
+    every check_every steps by memory_check (step peaks, _peak, vs meter.budget_bytes); an OOM retries at after_oom's
+    sizes. pin_memory (CUDA): batches in page-locked memory, so the loop's non_blocking copies overlap GPU work."""
     def __init__(self, micro_batch_size: int | None = None, *, max_tokens: int | None = None, meter: Any = None,
                  check_every: int = 100, high_water: float = 0.80, low_water: float = 0.50, shrink: float = 0.8,
                  max_retries: int = 3, seq_cut: float = 0.8, seq_len: int | None = None, min_seq_len: int = 8,
-                 collate_fn: Callable[[list], Any] | None = None, zero_grad: Any = None) -> None:
+                 collate_fn: Callable[[list], Any] | None = None, zero_grad: Any = None,
+                 pin_memory: bool = False) -> None:
         rules = {"micro_batch_size and/or max_tokens": micro_batch_size is not None or max_tokens is not None,
                  "micro_batch_size >= 1": micro_batch_size is None or micro_batch_size >= 1,
                  "max_tokens >= 1": max_tokens is None or max_tokens >= 1, "check_every >= 1": check_every >= 1,
@@ -283,7 +302,7 @@ class AdaptiveBatchController:
         self.meter, self.check_every, self.max_retries, self.min_seq_len = meter, check_every, max_retries, min_seq_len
         self.high_water, self.low_water, self.shrink, self.seq_cut = high_water, low_water, shrink, seq_cut
         self.seq_len, self.seq_len_start, self.uncut_len = seq_len, seq_len, None  # uncut_len: longest row before a cut
-        self.collate_fn, self.zero_grad = collate_fn or pad_collate, zero_grad
+        self.collate_fn, self.zero_grad, self.pin_memory = collate_fn or pad_collate, zero_grad, pin_memory
         self.step = self.samples_in = self.samples_seen = self.oom_count = self.n_truncated = self.tokens_truncated = 0
         self.events, self._window_peak = [], 0  # _window_peak: highest step peak since the last memory check
 
@@ -292,7 +311,12 @@ class AdaptiveBatchController:
     def _collate(self, samples: list) -> Any:
         """collate_fn of the samples cut to seq_len (collate_fn may be any callable: the controller cuts them)."""
         cut = lambda s: {k: v[:self.seq_len] if torch.is_tensor(v) and v.dim() == 1 else v for k, v in s.items()}
-        return self.collate_fn([s if row_length(s, self.seq_len) == len(s["input_ids"]) else cut(s) for s in samples])
+        batch = self.collate_fn([s if row_length(s, self.seq_len) == len(s["input_ids"]) else cut(s) for s in samples])
+        return {k: v.pin_memory() if torch.is_tensor(v) else v for k, v in batch.items()} if self.pin_memory else batch
+
+    def _peak(self) -> int:
+        """The meter's peak since its reset: peak_in_use() (what an OOM depends on) if it has one, else peak()."""
+        return int(getattr(self.meter, "peak_in_use", self.meter.peak)())
 
     def _event(self, kind: str, groups: list[list], peak: int | None, message: str) -> None:
         accum = len(split_step(groups, *self.sizes, self.seq_len))
@@ -320,7 +344,7 @@ class AdaptiveBatchController:
         self.tokens_truncated += sum(excess)
         self.samples_seen, self.step = self.samples_seen + n, self.step + 1
         used = {"micro_batch_size": self.micro_batch_size, "max_tokens": self.max_tokens, "seq_len": self.seq_len}
-        self._window_peak = max(self._window_peak, 0 if self.meter is None else int(self.meter.peak()))
+        self._window_peak = max(self._window_peak, 0 if self.meter is None else self._peak())
         budget = getattr(self.meter, "budget_bytes", None)  # read live: the budget may change during a run
         if self.step % self.check_every == 0 and budget and self._window_peak:  # sizes of the next step by memory_check
             peak, self._window_peak = self._window_peak, 0
@@ -341,7 +365,7 @@ class AdaptiveBatchController:
         gc.collect()
         torch.cuda.empty_cache()  # give the allocator's cached blocks back (a no-op without CUDA)
         self.oom_count += 1
-        peak = None if self.meter is None else int(self.meter.peak())
+        peak = None if self.meter is None else self._peak()
         if self.meter is not None:
             self.meter.reset_peak()  # the failed attempt's peak must not trigger a shrink as well
         kind, sizes, seq_len = after_oom(self.sizes, micro, halvings, self.max_retries, self.seq_cut, self.seq_len)

@@ -1,7 +1,8 @@
-"""Checkpoints: the whole training state that resumes notebook 04_gradient_accumulation's loop (train.fit: model,
+"""Checkpoints: a model's weights (`save_checkpoint`, `load_checkpoint`: notebook 03_model's model, MiniMind's .pth
+files), the whole training state that resumes notebook 04_gradient_accumulation's loop (train.fit: model,
 optimizer, GradScaler, step, data position `DataStream`, controller, RNGs), and the run directory notebook 07 writes
 (config.json, model.pth, tokenizer/: `start_run_dir`, `load_run`) with the checks before a run writes there
-(`check_out_dir`, `check_resume`). Everything is read back with weights_only=True."""
+(`check_out_dir`, `check_resume`) and its stop on SIGINT/SIGTERM. Everything is read back with weights_only=True."""
 
 from __future__ import annotations
 
@@ -10,8 +11,11 @@ import json
 import os
 import random
 import shutil
+import signal
+import threading
+import warnings
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -19,9 +23,93 @@ from torch import nn
 
 from .corpus import tokenizer_fingerprint
 from .fileio import PREFIX, TMP_PREFIX, atomic_open, atomic_write_text
-from .model import MiniMindConfig, MiniMindForCausalLM, check_state_dict, load_checkpoint, unreadable_checkpoint
+from .model import MiniMindConfig, MiniMindForCausalLM
 from .tokenizer import CONFIG_FILE as TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, check_vocab, load_tokenizer
 
+
+# ----------------------------------------------------------------------------------- model weights (notebook 03)
+# A checkpoint is untrusted input: weights_only=True, never arbitrary unpickling.
+_STRIP_PREFIXES = ("module.", "_orig_mod.")  # added by DistributedDataParallel and torch.compile
+_ROTARY_KEYS = ("model.freqs_cos", "model.freqs_sin", "freqs_cos", "freqs_sin")  # recomputed, never loaded
+
+
+def save_checkpoint(state_dict_or_model, path) -> Path:
+    """Write a state dict (or a model's) atomically: temp file in the same folder, fsync, os.replace (never half)."""
+    state = state_dict_or_model.state_dict() if isinstance(state_dict_or_model, nn.Module) else state_dict_or_model
+    path = Path(path)
+    with atomic_open(path, "wb") as f:
+        torch.save(state, f)
+    return path
+
+
+def _clean_state_dict(state: dict, path) -> dict:
+    """Strip DDP/compile prefixes and rotary buffers, refill a missing tied lm_head; warn about each change."""
+    if isinstance(state.get("model"), dict) and not any(isinstance(v, torch.Tensor) for v in state.values()):
+        warnings.warn(f"{path}: a training checkpoint; using its 'model' entry", stacklevel=3)
+        state = state["model"]
+    while any(k.startswith(_STRIP_PREFIXES) for k in state):  # they nest in either order: module._orig_mod.x
+        for prefix in _STRIP_PREFIXES:
+            if n := sum(k.startswith(prefix) for k in state):
+                warnings.warn(f"{path}: stripped prefix {prefix!r} from {n} keys (DDP / torch.compile)", stacklevel=3)
+                state = {(k[len(prefix):] if k.startswith(prefix) else k): v for k, v in state.items()}
+    if dropped := [k for k in state if k in _ROTARY_KEYS]:
+        warnings.warn(f"{path}: ignored rotary tables {dropped} (recomputed from the config)", stacklevel=3)
+        state = {k: v for k, v in state.items() if k not in _ROTARY_KEYS}
+    if "lm_head.weight" not in state and "model.embed_tokens.weight" in state:
+        warnings.warn(f"{path}: no lm_head.weight; using the tied model.embed_tokens.weight", stacklevel=3)
+        state = {**state, "lm_head.weight": state["model.embed_tokens.weight"]}
+    return state
+
+
+def load_weights_only(path, what: str = "checkpoint", map_location: Any = "cpu") -> Any:
+    """torch.load(weights_only=True) of a file, errors naming it (never torch's advice to unpickle it anyway)."""
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"{what} not found: {path}")
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as e:  # truncated file, not a torch file, or pickled objects weights_only refuses
+        raise ValueError(f"cannot read {what} {path} (corrupt or not a checkpoint: {type(e).__name__}): a checkpoint "
+                         f"holds tensors and plain values only; pickled objects are refused because loading them "
+                         f"could run code") from None
+
+
+def check_state_dict(state: dict, model: nn.Module, path="state dict") -> None:
+    """Raise a ValueError naming the first missing, unexpected or mis-shaped key (vocab size said plainly)."""
+    expected = model.state_dict()
+    emb = state.get("model.embed_tokens.weight")
+    vocab = expected["model.embed_tokens.weight"].shape[0]
+    if isinstance(emb, torch.Tensor) and emb.dim() == 2 and emb.shape[0] != vocab:
+        raise ValueError(f"{path}: vocab size mismatch: checkpoint has {emb.shape[0]} tokens "
+                         f"(model.embed_tokens.weight {list(emb.shape)}), the model has vocab_size={vocab}")
+    missing, unexpected = [k for k in expected if k not in state], [k for k in state if k not in expected]
+    if missing:
+        raise ValueError(f"{path}: missing key {missing[0]!r} (and {len(missing) - 1} more)")
+    if unexpected:
+        raise ValueError(f"{path}: unexpected key {unexpected[0]!r} (and {len(unexpected) - 1} more)")
+    for key, want in expected.items():
+        got = state[key]
+        if not isinstance(got, torch.Tensor):
+            raise ValueError(f"{path}: key {key!r} holds a {type(got).__name__}, not a tensor")
+        if got.shape != want.shape:
+            raise ValueError(f"{path}: shape mismatch at {key!r}: expected {list(want.shape)}, got {list(got.shape)}")
+        if not got.is_floating_point() or not bool(torch.isfinite(got).all()):  # int weights would load silently
+            raise ValueError(f"{path}: {key!r} holds {'NaN/inf values' if got.is_floating_point() else got.dtype}; "
+                             f"refused: a model's weights are finite floating-point numbers")
+
+
+def load_checkpoint(path, model: nn.Module | None = None, map_location="cpu") -> dict:
+    """The cleaned state dict of a checkpoint (ours or MiniMind's .pth, weights_only); loaded strictly into `model`."""
+    path, state = Path(path), load_weights_only(path, "checkpoint", map_location)
+    if not isinstance(state, dict):
+        raise ValueError(f"checkpoint {path} holds a {type(state).__name__}, not a state dict")
+    state = _clean_state_dict(state, path)
+    if model is not None:
+        check_state_dict(state, model, path)
+        model.load_state_dict(state, strict=True)
+    return state
+
+
+# ----------------------------------------------------------------------------------- the training state (notebook 04)
 FORMAT, VERSION = "minimind-train-state", 1
 
 
@@ -89,33 +177,32 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def nonfinite_parameters(model: nn.Module) -> list[str]:
+    """Names of the parameters holding NaN/inf, read from the device in one go (not one host sync per parameter)."""
+    named = list(model.named_parameters())
+    finite = torch.stack([torch.isfinite(p).all() for _, p in named]).tolist() if named else []
+    return [name for (name, _), ok in zip(named, finite) if not ok]
+
+
 def save_training_state(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, *, cfg: Any,
                         step: int, scaler: torch.amp.GradScaler | None = None, data_state: dict | None = None,
                         controller: Any = None, extra: dict | None = None) -> Path:
     """Write a resumable training checkpoint to `path` atomically; refuses non-finite weights."""
-    bad = [name for name, p in model.named_parameters() if not bool(torch.isfinite(p).all())]
-    if bad:
+    if bad := nonfinite_parameters(model):
         raise ValueError(f"refusing to write {path}: parameter {bad[0]!r} (and {len(bad) - 1} more) holds NaN/inf")
-    with atomic_open(path, "wb") as f:  # a temp file beside `path`, then os.replace: never half a checkpoint
-        torch.save({"format": FORMAT, "version": VERSION, "model": model.state_dict(),
-                    "optimizer": optimizer.state_dict(), "scaler": None if scaler is None else scaler.state_dict(),
-                    "step": int(step), "data": dict(data_state or {"epoch": 0, "offset": 0}),
-                    "controller": controller.state_dict() if hasattr(controller, "state_dict") else None,
-                    "rng": get_rng_state(), "config": cfg.to_dict(), "extra": dict(extra or {})}, f)
-    return Path(path)
+    return save_checkpoint({"format": FORMAT, "version": VERSION, "model": model.state_dict(),
+                            "optimizer": optimizer.state_dict(), "scaler": None if scaler is None else scaler.state_dict(),
+                            "step": int(step), "data": dict(data_state or {"epoch": 0, "offset": 0}),
+                            "controller": controller.state_dict() if hasattr(controller, "state_dict") else None,
+                            "rng": get_rng_state(), "config": cfg.to_dict(), "extra": dict(extra or {})}, path)
 
 
 def read_training_state(path: str | Path, map_location: Any = "cpu") -> dict:
     """Read and validate a training checkpoint (weights_only=True); clear errors for missing/corrupt files."""
-    if not Path(path).is_file():
-        raise FileNotFoundError(f"training checkpoint not found: {path}")
-    try:
-        state = torch.load(path, map_location=map_location, weights_only=True)
-    except Exception as e:  # truncated, not a torch file, or holds objects weights_only refuses
-        raise ValueError(unreadable_checkpoint(path, e, "training checkpoint")) from None
+    state = load_weights_only(path, "training checkpoint", map_location)
     found = state.get("format") if isinstance(state, dict) else type(state).__name__
     if found != FORMAT:
-        raise ValueError(f"{path}: not a training checkpoint (format={found!r}); for weights use model.load_checkpoint")
+        raise ValueError(f"{path}: not a training checkpoint (format={found!r}); for weights use load_checkpoint")
     missing = [key for key in ("model", "optimizer", "step", "data", "rng", "config") if key not in state]
     if missing or state.get("version") != VERSION:
         raise ValueError(f"{path}: unsupported training checkpoint (version {state.get('version')!r}, expected "
@@ -305,3 +392,19 @@ def start_run_dir(out: Path, run_cfg: dict, tok: Any, resume: bool, keep: Iterab
     if (out / TOKENIZER_DIR).exists():
         shutil.rmtree(out / TOKENIZER_DIR)
     os.replace(tmp, out / TOKENIZER_DIR)
+
+
+@contextlib.contextmanager
+def stop_on_signals(rec: Any) -> Iterator[None]:
+    """While training, SIGINT/SIGTERM set rec.interrupted: the run's callback then stops it after the step, with a
+    checkpoint (--resume continues it)."""
+    def stop(signum: int, frame: Any) -> None:
+        rec.interrupted = signal.Signals(signum).name
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C stops at once
+    main_thread = threading.current_thread() is threading.main_thread()  # the only one that may set handlers
+    saved = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)} if main_thread else {}
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)

@@ -16,9 +16,9 @@ from torch.utils.data import Dataset, Subset
 
 from .corpus import (PAYLOAD, JsonlReader, check_choice, read_memmap_meta, tokenize_samples, tokenize_to_memmap,
                      tokenizer_fingerprint)
+from .model import IGNORE_INDEX  # the label of a position whose next token is not trained (PyTorch CE ignore_index)
 from .tokenizer import check_vocab
 
-IGNORE_INDEX = -100  # the label of a position whose next token is not trained (PyTorch CE ignore_index)
 LONG_DOCS = ("truncate", "chunk")  # what a pretrain dataset does with a document longer than seq_len
 LONG_DOCS_BY_KIND = {"pretrain": "chunk", "sft": "truncate"}  # a run's: documents split into rows, conversations cut
 
@@ -250,11 +250,15 @@ def memmap_dataset(path: Path, tok: Any, kind: str, seq_len: int, cache_dir: Pat
     return ds, info
 
 
+def holdout_indices(n: int, seed: int) -> tuple[list[int], list[int]]:
+    """(train, held out) indices of n samples: a fixed 5% drawn by seed (SFT's validation set), each sorted."""
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+    return sorted(order[max(1, n // 20):]), sorted(order[:max(1, n // 20)])
+
+
 def holdout_split(ds: Any, seed: int) -> tuple[Subset, Subset]:
-    """(train, held out): a fixed 5% of the conversations drawn by seed (SFT's validation set), with lengths, stats."""
-    n_val = max(1, len(ds) // 20)
-    order = torch.randperm(len(ds), generator=torch.Generator().manual_seed(seed)).tolist()
-    parts = (Subset(ds, sorted(order[n_val:])), Subset(ds, sorted(order[:n_val])))
+    """(train, held out): holdout_indices of a dataset, as Subsets with their lengths and stats."""
+    parts = tuple(Subset(ds, part) for part in holdout_indices(len(ds), seed))
     for part in parts:
         part.lengths, part.stats = ds.lengths[part.indices], ds.stats
     return parts

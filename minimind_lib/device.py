@@ -5,19 +5,26 @@ A format is "supported" when autocast runs in it here (tried), "native" when the
 import os
 import platform
 from functools import lru_cache
+from typing import Any
 
 import torch
-
-from .profiles import Profile, get_profile
 
 _NATIVE_CPU_FLAGS = {torch.bfloat16: {"avx512_bf16", "amx_bf16", "bf16"},  # /proc/cpuinfo flags: x86 AVX512, AMX; Arm
                      torch.float16: {"avx512_fp16", "amx_fp16", "asimdhp"}}  # x86 AVX512, AMX; Arm half-precision SIMD
 
 
 def get_device(prefer: str | None = None) -> torch.device:
-    """The best device available: cuda > mps > cpu (or `prefer`, or env MINIMIND_DEVICE)."""
+    """The best device available: cuda > mps > cpu (or `prefer`, or env MINIMIND_DEVICE). CUDA, set up before it first
+    allocates: expandable segments (unless PYTORCH_CUDA_ALLOC_CONF is set): one segment that grows by mapping pages,
+    so memory a batch of one shape frees serves the next shape and reserved memory stays near allocated (notebook 06);
+    TF32 for fp32 matmuls (Ampere on, fp32 accumulation; notebook 05)."""
     best = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
-    return torch.device(prefer or os.environ.get("MINIMIND_DEVICE") or best)
+    device = torch.device(prefer or os.environ.get("MINIMIND_DEVICE") or best)
+    if device.type == "cuda" and not torch.cuda.is_initialized():  # later the allocator has read its settings
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+    return device
 
 
 def _cpuinfo(prefixes: tuple[str, ...]) -> list[str] | None:
@@ -67,26 +74,28 @@ def bf16_native(device: torch.device) -> bool:
 
 
 def total_memory_bytes(device: torch.device) -> int:
-    """Total memory of the device: the GPU's memory on CUDA, the machine's RAM otherwise."""
+    """Total memory of the device: the GPU's on CUDA, Metal's recommended maximum on MPS, else the machine's RAM."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory
+    if device.type == "mps":
+        return torch.mps.recommended_max_memory()
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0  # 0: Windows
 
 
-def device_report(device: torch.device | None = None, profile: Profile | None = None) -> dict:
-    """Facts about the device and the selected profile, as a JSON-ready dict."""
-    device, profile = device or get_device(), profile or get_profile()
-    return {"device": device.type, "device_name": device_name(device), "profile": profile.name,
+def device_report(device: torch.device | None = None, profile: Any = None) -> dict:
+    """Facts about the device and the profile (profiles.Profile, if given), as a JSON-ready dict."""
+    device = device or get_device()
+    return {"device": device.type, "device_name": device_name(device), "profile": getattr(profile, "name", None),
             "torch": torch.__version__, "bf16_supported": bf16_supported(device), "bf16_native": bf16_native(device),
             "fp16_supported": autocast_runs(device.type, torch.float16),  # most CPUs emulate it (notebook 05)
             "fp16_native": device.type in ("cuda", "mps") or cpu_has_native(torch.float16),  # every GPU has fp16 math
             "total_memory_bytes": total_memory_bytes(device), "cpu_threads": torch.get_num_threads()}
 
 
-def describe(profile: Profile | None = None, device: torch.device | None = None) -> str:
-    """One line naming device and profile, for a notebook's first cell and every figure title."""
-    device, profile = device or get_device(), profile or get_profile()
-    return f"{device.type} ({device_name(device)}), profile={profile.name}, torch {torch.__version__.split('+')[0]}"
+def describe(profile: Any = None, device: torch.device | None = None) -> str:
+    """One line naming device and profile (profiles.Profile), for a notebook's first cell and every figure title."""
+    device, named = device or get_device(), f", profile={profile.name}" if profile is not None else ""
+    return f"{device.type} ({device_name(device)}){named}, torch {torch.__version__.split('+')[0]}"
 
 
 def synchronize(device: torch.device | str) -> None:

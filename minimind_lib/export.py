@@ -16,10 +16,10 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from .checkpoint import (MODEL_FILE, RUN_FILES, RUN_FORMAT, RUN_VERSION, TOKENIZER_DIR, RunError, check_other_files,
-                         check_out_dir, check_target, load_run, start_run_dir)
+                         check_out_dir, check_state_dict, check_target, load_run, save_checkpoint, start_run_dir)
 from .corpus import tokenizer_fingerprint
 from .fileio import PREFIX, TMP_PREFIX, atomic_write_text, exclusive_dir
-from .model import YARN_SCALING, MiniMindConfig, MiniMindForCausalLM, check_state_dict, save_checkpoint
+from .model import YARN_SCALING, MiniMindConfig, MiniMindForCausalLM
 from .tokenizer import CONFIG_FILE as TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, check_vocab, load_tokenizer
 
 # model_type -> class: Llama's blocks are MiniMind2's, Qwen3's add q/k norm, Qwen3-MoE's (no shared expert) MoE

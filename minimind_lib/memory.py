@@ -123,6 +123,17 @@ class MemoryMeter:
         """Highest current() since the last reset_peak()."""
         return torch.cuda.max_memory_allocated(self.device) if self.is_cuda else self._peak
 
+    def peak_in_use(self) -> int:
+        """The peak an OOM depends on, since reset_peak() (the controller's checks). CUDA: the allocator's peak
+        reserved bytes (its cache, fragmented by batches whose shape changes every step) plus what else holds the card
+        (driver-used memory minus reserved: the CUDA context, other processes); allocated bytes, peak(), miss both and
+        can read 70% of a full card. MPS: the driver's allocation (no peak kept). CPU: peak()."""
+        if self.is_cuda:
+            free, total = torch.cuda.mem_get_info(self.device)
+            outside = total - free - torch.cuda.memory_reserved(self.device)  # context + other processes
+            return torch.cuda.max_memory_reserved(self.device) + max(outside, 0)
+        return torch.mps.driver_allocated_memory() if self.device.type == "mps" else self.peak()
+
     def __repr__(self) -> str:
         return (f"MemoryMeter(device={self.device}, current={_fmt(self.current())}, peak={_fmt(self.peak())}, "
                 f"budget={None if self.budget_bytes is None else _fmt(self.budget_bytes)})")

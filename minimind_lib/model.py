@@ -1,4 +1,5 @@
-"""The MiniMind language model, built piece by piece in notebook 03_model: RMSNorm, RoPE, GQA, SwiGLU, checkpoints.
+"""The MiniMind language model, built piece by piece in notebook 03_model: RMSNorm, RoPE, GQA, SwiGLU (its checkpoints:
+checkpoint.py; packed documents' masks, dense or FlexAttention's: notebook 06_dynamic_batching, batching.py).
 
 Read it top to bottom, like nanoGPT. Architecture and parameter names are exactly MiniMind2's and, with qk_norm
 ("minimind-3") and use_moe ("minimind-3-moe"), MiniMind-3's: a MiniMind ``.pth`` loads with ``strict=True``.
@@ -7,16 +8,15 @@ Read it top to bottom, like nanoGPT. Architecture and parameter names are exactl
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import asdict, dataclass, fields
-from pathlib import Path
+from functools import cache
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
-from .data import IGNORE_INDEX
-from .fileio import atomic_open
+IGNORE_INDEX = -100  # the label of a position whose next token is not trained (PyTorch CE's ignore_index)
 
 
 # ---- Configuration
@@ -175,9 +175,12 @@ def build_attention_mask(attention_mask: torch.Tensor | None, batch: int, q_len:
                          device: torch.device) -> torch.Tensor | None:
     """The boolean (B, 1, T, past+T) mask for SDPA (True = may attend), or None when plain causal suffices.
 
-    attention_mask: None, a (B, past+T) padding mask (1 = real token; causal AND key is real) or a
-    (B, 1, T, past+T) bool block mask (packed documents). A row with no allowed key attends to itself (no NaN).
+    attention_mask: None, a (B, past+T) padding mask (1 = real token; causal AND key is real), a (B, 1, T, past+T)
+    bool block mask (packed documents) or a FlexAttention BlockMask (returned as it is). A row with no allowed key
+    attends to itself (no NaN).
     """
+    if isinstance(attention_mask, BlockMask):
+        return attention_mask
     k_len = past_len + q_len
     if attention_mask is None and (past_len == 0 or q_len == 1):
         return None  # plain causal, or one new token that may see every earlier key
@@ -203,6 +206,11 @@ def build_attention_mask(attention_mask: torch.Tensor | None, batch: int, q_len:
         raise ValueError(f"block attention_mask has shape {tuple(attention_mask.shape)}, expected "
                          f"({batch}, 1, {q_len}, {k_len})")
     return attention_mask | (keys == queries)  # pad rows attend to themselves
+
+
+# Packed documents through FlexAttention (notebook 06 builds the BlockMask: batching.document_mask): compiled once, as
+# eager FlexAttention builds every score; a CPU has no FlexAttention backward in torch 2.13 (forward only, eager).
+_compiled_flex_attention = cache(lambda: torch.compile(flex_attention))
 
 
 class Attention(nn.Module):
@@ -233,6 +241,10 @@ class Attention(nn.Module):
         if past_key_value is not None:
             k, v = torch.cat([past_key_value[0], k], dim=1), torch.cat([past_key_value[1], v], dim=1)
         present = (k, v) if use_cache else None
+        if isinstance(mask, BlockMask):  # packed documents through FlexAttention (no dropout: MiniMind's is 0)
+            flex = _compiled_flex_attention() if x.device.type == "cuda" else flex_attention
+            y = flex(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=mask, enable_gqa=self.n_rep > 1)
+            return self.resid_dropout(self.o_proj(y.transpose(1, 2).reshape(b, t, -1))), present
         # (B, H, T, D) for SDPA; the kv heads are repeated to match the query heads.
         q, k, v = q.transpose(1, 2), repeat_kv(k, self.n_rep).transpose(1, 2), repeat_kv(v, self.n_rep).transpose(1, 2)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0,
@@ -319,6 +331,9 @@ class MiniMindModel(nn.Module):
                              f"shape {tuple(input_ids.shape)} of {input_ids.dtype} (one sequence: input_ids[None])")
         b, t = input_ids.shape
         past_len = past_key_values[0][0].shape[1] if past_key_values else 0
+        # Real CPU tensors only: on a GPU a check would stall the host every forward (packed rows' positions come from
+        # the collate, on the CPU); fake tensors hold no values.
+        on_cpu = lambda ids: type(ids) is torch.Tensor and ids.device.type == "cpu"  # noqa: E731
         if position_ids is None:
             if past_len + t > self.config.max_position_embeddings:
                 raise ValueError(f"sequence of {past_len + t} tokens exceeds max_position_embeddings="
@@ -328,14 +343,13 @@ class MiniMindModel(nn.Module):
             # Packed rows restart positions at every document: look each position up in the table.
             if position_ids.shape[-1] != t:
                 raise ValueError(f"position_ids has shape {tuple(position_ids.shape)}, expected (B, {t}) or ({t},)")
-            if int(position_ids.max()) >= self.config.max_position_embeddings or int(position_ids.min()) < 0:
+            if on_cpu(position_ids) and (int(position_ids.max()) >= self.config.max_position_embeddings
+                                         or int(position_ids.min()) < 0):
                 raise ValueError(f"position_ids range [{int(position_ids.min())}, {int(position_ids.max())}] is "
                                  f"outside [0, max_position_embeddings={self.config.max_position_embeddings})")
             cos, sin = self.freqs_cos[position_ids], self.freqs_sin[position_ids]
         mask = build_attention_mask(attention_mask, b, t, past_len, input_ids.device)
-        # Real CPU tensors only: on a GPU the check would stall the host every forward; fake tensors hold no values.
-        on_cpu = type(input_ids) is torch.Tensor and input_ids.device.type == "cpu"
-        if on_cpu and input_ids.numel() and bool((input_ids.min() < 0) | (input_ids.max() >= self.config.vocab_size)):
+        if on_cpu(input_ids) and input_ids.numel() and bool((input_ids.min() < 0) | (input_ids.max() >= self.config.vocab_size)):
             raise ValueError(f"token ids range [{int(input_ids.min())}, {int(input_ids.max())}] is outside "
                              f"[0, vocab_size={self.config.vocab_size})")
         x = self.dropout(self.embed_tokens(input_ids))
@@ -379,7 +393,7 @@ class MiniMindForCausalLM(nn.Module):
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
-        # nanoGPT's init (normal, std 0.02): an untrained model predicts ~uniformly, loss ~ ln(vocab).
+        # GPT-2's N(0, 0.02) for every Linear and Embedding, without its scaled residual projections (notebook 03).
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
@@ -417,84 +431,3 @@ def count_parameters(model: nn.Module) -> dict:
         del counts["other"]
     counts["total"] = sum(counts.values())
     return counts
-
-
-# ---- Checkpoints (a checkpoint is untrusted input: weights_only=True, never arbitrary unpickling)
-_STRIP_PREFIXES = ("module.", "_orig_mod.")  # added by DistributedDataParallel and torch.compile
-_ROTARY_KEYS = ("model.freqs_cos", "model.freqs_sin", "freqs_cos", "freqs_sin")  # recomputed, never loaded
-
-
-def save_checkpoint(state_dict_or_model, path) -> Path:
-    """Write a state dict (or a model's) atomically: temp file in the same folder, fsync, os.replace."""
-    state = state_dict_or_model.state_dict() if isinstance(state_dict_or_model, nn.Module) else state_dict_or_model
-    path = Path(path)
-    with atomic_open(path, "wb") as f:
-        torch.save(state, f)
-    return path
-
-
-def _clean_state_dict(state: dict, path) -> dict:
-    """Strip DDP/compile prefixes and rotary buffers, refill a missing tied lm_head; warn about each change."""
-    if isinstance(state.get("model"), dict) and not any(isinstance(v, torch.Tensor) for v in state.values()):
-        warnings.warn(f"{path}: a training checkpoint; using its 'model' entry", stacklevel=3)
-        state = state["model"]
-    while any(k.startswith(_STRIP_PREFIXES) for k in state):  # they nest in either order: module._orig_mod.x
-        for prefix in _STRIP_PREFIXES:
-            if n := sum(k.startswith(prefix) for k in state):
-                warnings.warn(f"{path}: stripped prefix {prefix!r} from {n} keys (DDP / torch.compile)", stacklevel=3)
-                state = {(k[len(prefix):] if k.startswith(prefix) else k): v for k, v in state.items()}
-    if dropped := [k for k in state if k in _ROTARY_KEYS]:
-        warnings.warn(f"{path}: ignored rotary tables {dropped} (recomputed from the config)", stacklevel=3)
-        state = {k: v for k, v in state.items() if k not in _ROTARY_KEYS}
-    if "lm_head.weight" not in state and "model.embed_tokens.weight" in state:
-        warnings.warn(f"{path}: no lm_head.weight; using the tied model.embed_tokens.weight", stacklevel=3)
-        state = {**state, "lm_head.weight": state["model.embed_tokens.weight"]}
-    return state
-
-
-def unreadable_checkpoint(path, error: Exception, what: str = "checkpoint") -> str:
-    """The message for a file torch.load(weights_only=True) refused (never torch's advice to unpickle it anyway)."""
-    return (f"cannot read {what} {path} (corrupt or not a checkpoint: {type(error).__name__}): a checkpoint holds "
-            f"tensors and plain values only; pickled objects are refused because loading them could run code")
-
-
-def check_state_dict(state: dict, model: nn.Module, path="state dict") -> None:
-    """Raise a ValueError naming the first missing, unexpected or mis-shaped key (vocab size said plainly)."""
-    expected = model.state_dict()
-    emb = state.get("model.embed_tokens.weight")
-    vocab = expected["model.embed_tokens.weight"].shape[0]
-    if isinstance(emb, torch.Tensor) and emb.dim() == 2 and emb.shape[0] != vocab:
-        raise ValueError(f"{path}: vocab size mismatch: checkpoint has {emb.shape[0]} tokens "
-                         f"(model.embed_tokens.weight {list(emb.shape)}), the model has vocab_size={vocab}")
-    missing, unexpected = [k for k in expected if k not in state], [k for k in state if k not in expected]
-    if missing:
-        raise ValueError(f"{path}: missing key {missing[0]!r} (and {len(missing) - 1} more)")
-    if unexpected:
-        raise ValueError(f"{path}: unexpected key {unexpected[0]!r} (and {len(unexpected) - 1} more)")
-    for key, want in expected.items():
-        got = state[key]
-        if not isinstance(got, torch.Tensor):
-            raise ValueError(f"{path}: key {key!r} holds a {type(got).__name__}, not a tensor")
-        if got.shape != want.shape:
-            raise ValueError(f"{path}: shape mismatch at {key!r}: expected {list(want.shape)}, got {list(got.shape)}")
-        if not got.is_floating_point() or not bool(torch.isfinite(got).all()):  # int weights would load silently
-            raise ValueError(f"{path}: {key!r} holds {'NaN/inf values' if got.is_floating_point() else got.dtype}; "
-                             f"refused: a model's weights are finite floating-point numbers")
-
-
-def load_checkpoint(path, model: nn.Module | None = None, map_location="cpu") -> dict:
-    """The cleaned state dict of a checkpoint (ours or MiniMind's .pth, weights_only); loaded strictly into `model`."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"checkpoint not found: {path}")
-    try:
-        state = torch.load(path, map_location=map_location, weights_only=True)
-    except Exception as e:  # truncated file, not a torch file, or pickled objects weights_only refuses
-        raise ValueError(unreadable_checkpoint(path, e)) from None
-    if not isinstance(state, dict):
-        raise ValueError(f"checkpoint {path} holds a {type(state).__name__}, not a state dict")
-    state = _clean_state_dict(state, path)
-    if model is not None:
-        check_state_dict(state, model, path)
-        model.load_state_dict(state, strict=True)
-    return state

@@ -17,13 +17,11 @@ import io
 import json
 import math
 import os
-import signal
-import threading
 import time
 from dataclasses import dataclass, field, fields, replace
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import pandas as pd
 import torch
@@ -31,21 +29,22 @@ import torch
 from . import distributed as D
 from .batching import AdaptiveBatchController, TokenBudgetBatchSampler, TokenBudgetSteps
 from .checkpoint import (METRICS_FILE, MODEL_FILE, RUN_FORMAT, RUN_VERSION, SAMPLES_FILE, STATE_FILE, SUMMARY_FILE,
-                         RunError, check_out_dir, check_resume, check_target, load_run, start_run_dir)
+                         RunError, check_out_dir, check_resume, check_target, load_run, save_checkpoint, start_run_dir,
+                         stop_on_signals)
 from .corpus import tokenizer_fingerprint
 from .data import LONG_DOCS_BY_KIND, holdout_split, memmap_dataset, pad_collate
 from .device import get_device, total_memory_bytes
 from .fileio import atomic_write_text, exclusive_dir, file_fingerprint
 from .generate import chat_reply, generate
 from .memory import MemoryMeter
-from .model import MiniMindConfig, MiniMindForCausalLM, save_checkpoint
+from .model import MiniMindConfig, MiniMindForCausalLM
 from .paths import DATA_DIR, REPO_DIR, find_data_file
 from .profiles import Profile, get_profile
 from .tokenizer import check_vocab, load_tokenizer
 from .train import TrainConfig, evaluate, fit, resolve_amp
 
 DEFAULT_SAMPLE_PROMPTS = ("ROMEO.\n", "床前明月光，")  # one per language of the bundled corpus
-CHECK_EVERY = 10  # optimizer steps between the controller's memory checks (CUDA)
+CHECK_EVERY = 10  # optimizer steps between the controller's memory checks (CUDA, MPS)
 
 
 @dataclass
@@ -155,9 +154,11 @@ def resolve_settings(s: RunSettings, prof: Profile) -> RunSettings:
 
 def train_config(s: RunSettings) -> TrainConfig:
     """The loop's TrainConfig for resolved settings (warmup: a tenth of the steps)."""
+    # fit reads the device every log_every steps: at least at every step the Recorder acts on (samples, stop_after)
+    log_every = math.gcd(CHECK_EVERY, s.eval_every, s.ckpt_every, s.sample_every or 0, s.stop_after or 0)
     return TrainConfig(lr=s.lr, max_steps=s.steps, accum_steps=s.accum_steps, warmup_steps=max(1, s.steps // 10),
                        amp=s.amp, eval_every=s.eval_every, ckpt_every=s.ckpt_every, ckpt_dir=str(s.out), seed=s.seed,
-                       progress=s.progress)
+                       progress=s.progress, log_every=log_every)
 
 
 # ----------------------------------------------------------------------------------- checks before writing
@@ -219,13 +220,13 @@ def train_steps(ds: Any, s: RunSettings, dinfo: Any = None):
 
 
 def make_controller(device: torch.device, max_tokens: int, seq_len: int, pad_id: int) -> AdaptiveBatchController:
-    """Notebook 06's controller: on CUDA with a meter checked against the device's memory, elsewhere OOM recovery
-    only (a CPU's RAM has no limit the process could see coming)."""
-    meter = MemoryMeter(device) if device.type == "cuda" else None
+    """Notebook 06's controller: on CUDA and MPS its memory checks read MemoryMeter.peak_in_use (what an OOM depends
+    on) against the device's memory, elsewhere OOM recovery only (a CPU's RAM has no limit a process sees coming)."""
+    meter = MemoryMeter(device) if device.type in ("cuda", "mps") else None
     if meter is not None:
         meter.budget_bytes = total_memory_bytes(device)  # the checks' threshold only; the allocator keeps its limit
     return AdaptiveBatchController(max_tokens=max_tokens, seq_len=seq_len, meter=meter, check_every=CHECK_EVERY,
-                                   collate_fn=partial(pad_collate, pad_id=pad_id))
+                                   collate_fn=partial(pad_collate, pad_id=pad_id), pin_memory=device.type == "cuda")
 
 
 def _datasets(s: RunSettings, tok: Any, dinfo: Any, log: Callable[[str], None]) -> tuple[Any, list | None, int | None]:
@@ -269,27 +270,20 @@ class Recorder:
             self.prior = pd.read_csv(io.StringIO(extra["metrics_csv"])).query(f"step < {saved_state['step']}")
             self.samples = list(extra.get("samples", []))
 
-    def frame(self, rows: list[dict] | None = None) -> pd.DataFrame:
+    def frame(self) -> pd.DataFrame:
         """The whole run's metrics: earlier invocations' rows, then this one's, with tokens_seen (rolled back: 0)."""
-        rows = self.rows if rows is None else rows
-        df = pd.concat([self.prior, pd.DataFrame(rows)], ignore_index=True) if rows else self.prior.copy()
+        df = pd.concat([self.prior, pd.DataFrame(self.rows)], ignore_index=True) if self.rows else self.prior.copy()
         if len(df):
             df["tokens_seen"] = df["tokens"].where(applied(df), 0).cumsum()
         return df
 
-    def checkpoint_extra(self, row: dict | None) -> dict:
-        """fit's hook as it writes last.pt: the metrics up to that checkpoint, the in-flight `row` included."""
-        rows = [dict(r) for r in self.rows]
-        if row is not None:
-            rows.append({k: v for k, v in row.items() if k != "events"} | {"event": ";".join(row["events"] + ["ckpt"])})
-        elif rows:  # fit's final save: it tags the last row after this call
-            rows[-1]["event"] = ";".join(e for e in (rows[-1].get("event", ""), "ckpt") if e)
-        if row is not None and not row.get("skipped"):  # this step's samples go into last.pt with it
-            self.sample(row["step"] + 1)
-        return {"metrics_csv": self.frame(rows).to_csv(index=False), "samples": list(self.samples)}
+    def checkpoint_extra(self) -> dict:
+        """fit's hook as it writes last.pt: the metrics and samples so far (fit calls back before it checkpoints)."""
+        return {"metrics_csv": self.frame().to_csv(index=False), "samples": list(self.samples)}
 
-    def write_metrics(self) -> None:
-        """metrics.csv and samples.jsonl, atomically, after each checkpoint: they always hold what last.pt holds."""
+    def after_checkpoint(self) -> None:
+        """metrics.csv and samples.jsonl, atomically, after each checkpoint (fit's hook: last.pt; then model.pth): they
+        always hold what it holds."""
         if self.write:
             atomic_write_text(self.out / METRICS_FILE, self.frame().to_csv(index=False))
         if self.write and self.samples:
@@ -313,11 +307,9 @@ class Recorder:
                 for r in self.rows:
                     r["rolled_back"] = r.get("rolled_back", False) or r["step"] >= int(event.rsplit("_", 1)[1])
                 row["rolled_back"] = True
-        self.rows.append(row)  # the row itself: fit may still add the final checkpoint to its event
+        self.rows.append(row)  # the row itself: fit adds this step's checkpoint to its event
         done = step + (0 if row.get("skipped") else 1)
-        if "ckpt" in str(row.get("event", "")).split(";"):
-            self.write_metrics()
-        if not row.get("skipped"):  # a no-op when taken as this step checkpointed
+        if not row.get("skipped"):  # before this step's checkpoint, which holds the samples
             self.sample(done)
         stop = self.interrupted or (self.s.stop_after is not None and done >= self.s.stop_after)
         return "stop" if stop else None
@@ -362,7 +354,7 @@ def _finish(rec: Recorder, df: pd.DataFrame, run_cfg: dict, wall: float, start_s
     full.attrs.update(df.attrs)
     if rec.write:
         save_checkpoint(rec.model, rec.out / MODEL_FILE)  # a bare state dict
-        rec.write_metrics()
+        rec.after_checkpoint()
     prior_tokens = int(rec.prior["tokens"][applied(rec.prior)].sum()) if len(rec.prior) else 0
     summary = {"stage": rec.s.stage, "profile": run_cfg["profile"], "device": run_cfg["device"],
                "model_preset": run_cfg["model_preset"], **summarize(full, wall), "prior_tokens": prior_tokens,
@@ -390,7 +382,7 @@ def _run(s: RunSettings, dinfo: Any = None) -> RunResult:
     main = dinfo is None or dinfo.is_main  # the one process that logs and writes files
     log = s.log if main else (lambda msg: None)
     prof = s.profile if isinstance(s.profile, Profile) else get_profile(s.profile)
-    device = dinfo.device if dinfo is not None else torch.device(s.device) if s.device is not None else get_device()
+    device = dinfo.device if dinfo is not None else get_device(s.device)
     s = resolve_settings(s, prof)
     tok, mcfg, preset, init_state = _inputs(s, prof, device)
     out = Path(s.out)
@@ -429,7 +421,7 @@ def _run(s: RunSettings, dinfo: Any = None) -> RunResult:
             df = D.fit_distributed(model, steps, cfg, info=dinfo, val_batches=val, pad_id=tok.pad_token_id,
                                    callbacks=[rec], resume_from=resume_from)
         else:
-            with _stop_on_signals(rec):
+            with stop_on_signals(rec):
                 df = fit(model, steps, cfg, device=device, val_batches=val, controller=controller, callbacks=[rec],
                          resume_from=resume_from)
         if main and val and rec.rows and math.isnan(rec.rows[-1]["val_loss"]):  # fit validates after applied steps
@@ -445,21 +437,6 @@ def _run(s: RunSettings, dinfo: Any = None) -> RunResult:
         for problem in summary["shortfalls"] if main else ():
             log(f"{s.stage}: warning: {problem}")
         return RunResult(out, model.eval(), tok, metrics, run_cfg, summary, rec.samples)
-
-
-@contextlib.contextmanager
-def _stop_on_signals(rec: Recorder) -> Iterator[None]:
-    """While training, SIGINT/SIGTERM end the run after the current step, with a checkpoint."""
-    def stop(signum: int, frame: Any) -> None:
-        rec.interrupted = signal.Signals(signum).name
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C stops at once
-    main_thread = threading.current_thread() is threading.main_thread()  # the only one that may set handlers
-    saved = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)} if main_thread else {}
-    try:
-        yield
-    finally:
-        for sig, handler in saved.items():
-            signal.signal(sig, handler)
 
 
 def _run_maybe_distributed(stage: str, kwargs: dict) -> RunResult:

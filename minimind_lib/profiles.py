@@ -1,5 +1,6 @@
 """Profiles, shown in notebook 00_setup: the sizes every notebook and the CLI read, so one notebook runs in seconds
-in CI (``smoke``), a minute in class (``workshop``), minutes on a laptop (``cpu``), as MiniMind2-small on a GPU."""
+in CI (``smoke``), a minute in class (``workshop``), minutes on a laptop (``cpu``), as MiniMind2-small on a GPU
+(``gpu``; ``gpu-check``: the same model, fewer steps, for benchmarks/gpu_check.sh)."""
 
 import os
 from dataclasses import asdict, dataclass, replace
@@ -45,6 +46,9 @@ PROFILES: dict[str, Profile] = {
     # data/pretrain.jsonl (2.30M tokens), 50 x 2 x 16384 ~2.5 of data/sft.jsonl (0.66M). Real training: bring more data.
     "gpu": Profile(name="gpu", model="minimind2-small", seq_len=512, batch_size=32, accum_steps=2, lr=1e-3,
                    train_steps=200, pretrain_steps=300, sft_steps=50, eval_every=25, max_samples=None),
+    # benchmarks/gpu_check.sh: gpu's model and rows, 200 x 2 x 16384 = 6.6M tokens, checkpoints only at the end.
+    "gpu-check": Profile(name="gpu-check", model="minimind2-small", seq_len=512, batch_size=32, accum_steps=2, lr=1e-3,
+                         train_steps=40, pretrain_steps=200, sft_steps=30, eval_every=200, max_samples=None),
 }
 
 

@@ -1,5 +1,10 @@
 """The training loop of notebooks 04_gradient_accumulation and 05_mixed_precision, in their order (the section comments
-name their sections). `fit` adds validation, resumable checkpoints, NaN rollbacks, callbacks and controllers."""
+name their sections). `fit` adds validation, resumable checkpoints, NaN rollbacks, callbacks and controllers.
+
+No host sync in the hot loop: a GPU runs ahead of Python until a value is read back (float(), .item(), if tensor:),
+which waits for every queued kernel. A step keeps its loss, grad norm and NaN/inf verdict on the device (fused AdamW
+skips a NaN step there), and `fit` reads them every cfg.log_every steps and before a validation, a checkpoint and the
+end, where it counts NaN steps for a rollback."""
 
 import contextlib
 import inspect
@@ -17,7 +22,9 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from . import device as device_module  # looked up at call time: tests and notebook 05 pretend to be another device
-from .checkpoint import DataStream, load_training_state, save_training_state, seed_everything, set_rng_state
+from .batching import document_mask
+from .checkpoint import (DataStream, load_training_state, nonfinite_parameters, save_training_state, seed_everything,
+                         set_rng_state)
 from .data import trained_tokens
 from .memory import MemoryMeter
 from .model import is_right_padded, lm_loss
@@ -41,7 +48,7 @@ class TrainConfig:
     amp: str = "auto"  # "auto" | "bf16" | "fp16" | "off" (see resolve_amp)
     normalization: str = "token"  # "token": exact (sum / tokens of the step); "naive": mean per micro-batch / k
     seed: int = 1337
-    log_every: int = 1  # progress-bar refresh, in optimizer steps
+    log_every: int = 1  # optimizer steps between reads of the device (metrics rows, bad steps, callbacks, the bar)
     eval_every: int = 0  # validation every N optimizer steps (0: only at the end, if val_batches is given)
     ckpt_every: int = 0  # training-state checkpoint every N optimizer steps (0: never)
     ckpt_dir: str | None = None  # checkpoints go to ckpt_dir/last.pt (every ckpt_every steps and at the end)
@@ -91,6 +98,8 @@ def forward_logits(model: nn.Module, batch: dict, amp_dtype: torch.dtype | None 
     """The logits for one collated batch (with its attention_mask, position_ids), under autocast to amp_dtype if set;
     with_aux: (logits, the MoE load-balancing loss or None)."""
     kwargs = {k: batch[k] for k in ("attention_mask", "position_ids") if batch.get(k) is not None}
+    if isinstance(batch.get("block_mask"), str):  # packed rows: their mask made here, on the device (06, batching)
+        kwargs["attention_mask"] = document_mask(batch["doc_ids"], batch["block_mask"])
     with torch.autocast(batch["input_ids"].device.type, dtype=amp_dtype, enabled=amp_dtype is not None):  # notebook 05
         out = model(batch["input_ids"], **kwargs)
     logits = out.logits if hasattr(out, "logits") else out
@@ -110,18 +119,25 @@ def lr_at(step: int, *, lr: float, min_lr: float, warmup_steps: int, max_steps: 
 
 # 3. Clip and update (04, section 3; the scaler's lines: 05) ----------------------------------------------------
 def optimizer_step(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor], grad_clip: float | None,
-                   scaler: torch.amp.GradScaler | None = None) -> tuple[float, bool]:
-    """Clip the grad norm to `grad_clip`, step unless a gradient is inf/NaN, zero the grads; (norm, finite)."""
+                   scaler: torch.amp.GradScaler | None = None,
+                   loss_sum: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Clip the grad norm to `grad_clip`, step unless a gradient (or `loss_sum`) is inf/NaN, zero the grads; (norm,
+    finite), device tensors: a fused AdamW (or a GradScaler's) skips on the device, others read `finite` first."""
     if scaler is not None:
         scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, grad_clip or float("inf")))
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip or float("inf"))
+    finite = torch.isfinite(grad_norm) & torch.isfinite(torch.as_tensor(0.0 if loss_sum is None else loss_sum))
     if scaler is not None:
         scaler.step(optimizer)  # skipped inside when the gradients hold inf/NaN
         scaler.update()  # halves the scale after an overflow, doubles it after growth_interval good steps
-    elif math.isfinite(grad_norm):
+    elif optimizer.defaults.get("fused"):  # found_inf = 1: the kernel leaves weights and states as they are
+        optimizer.grad_scale, optimizer.found_inf = None, (~finite).float()  # (how a GradScaler skips, unsynced)
+        optimizer.step()
+        del optimizer.grad_scale, optimizer.found_inf
+    elif finite:  # a host sync: other optimizers have no on-device skip
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return grad_norm, math.isfinite(grad_norm)
+    return grad_norm, finite
 
 
 # 4. Exact token-weighted accumulation (04, section 4; data parallel: 09) ---------------------------------------
@@ -147,28 +163,30 @@ def step_token_count(micro_batches: Sequence[dict], device: torch.device | str |
 
 def accumulate_step(model: nn.Module, micro_batches: Sequence[dict], *, amp_dtype: torch.dtype | None = None,
                     scaler: torch.amp.GradScaler | None = None, device: torch.device | str | None = None,
-                    n_tokens_total: int | None = None, normalization: str = "token") -> dict:
+                    n_tokens_total: int | None = None, normalization: str = "token", sync: bool = True) -> dict:
     """Forward+backward over the micro-batches of one optimizer step; gradients add up in .grad (no update).
     Returns loss_sum, n_tokens, loss (their ratio), micro_batches, rows, padded_tokens, empty_micro_batches (labels
     all -100: not run; under DDP run, adding 0, as the gradient sync needs every rank's backward) and, for a MoE model,
     aux_loss: trained, not in `loss`. MiniMind-3 adds each micro-batch's aux to its mean loss, then divides by k
     ("naive"); here micro-batch i's aux weighs n_i / N, its share of the step's trained tokens, as each of its tokens'
     loss does: the aux keeps its ratio to the loss however a step is split (halved after an OOM, short SFT rows,
-    ranks), and the step's aux is the token-weighted mean of its micro-batches' (MiniMind-3's for equal n_i)."""
+    ranks), and the step's aux is the token-weighted mean of its micro-batches' (MiniMind-3's for equal n_i).
+    sync=False (fit's loop): loss_sum and aux_loss stay device tensors, no `loss`: nothing here waits for the device."""
     if normalization not in NORMALIZATIONS:
         raise ValueError(f"normalization={normalization!r}; choose one of {NORMALIZATIONS}")
     if not micro_batches:
         raise ValueError("accumulate_step got no micro-batches")
     device = torch.device(device) if device is not None else next(model.parameters()).device
     world, k = world_size(), len(micro_batches)
+    counts = [trained_tokens(mb["labels"]) for mb in micro_batches]  # from the batches on the CPU: no device read
     n_tokens_total = step_token_count(micro_batches, device) if n_tokens_total is None else n_tokens_total
     stats = {"micro_batches": k, "rows": sum(len(mb["input_ids"]) for mb in micro_batches),
              "padded_tokens": sum(mb["input_ids"].numel() for mb in micro_batches), "empty_micro_batches": 0}
     if n_tokens_total <= 0:  # every label -100: the loss is undefined, nothing to learn; the caller skips the step
         return {**stats, "loss_sum": 0.0, "n_tokens": 0, "loss": math.nan, "empty_micro_batches": k}
     sums, has_aux = torch.zeros(2, device=device, dtype=torch.float32), False  # loss_sum, weighted aux
-    for i, mb in enumerate(micro_batches):
-        if world == 1 and trained_tokens(mb["labels"]) == 0:
+    for i, (mb, n_i) in enumerate(zip(micro_batches, counts)):
+        if world == 1 and n_i == 0:
             stats["empty_micro_batches"] += 1
             continue
         mb = _to_device(mb, device)
@@ -179,16 +197,19 @@ def accumulate_step(model: nn.Module, micro_batches: Sequence[dict], *, amp_dtyp
             if normalization == "token":  # exact: / the step's tokens (x world: DDP averages over the ranks)
                 loss = token_loss_sum * (world / n_tokens_total)
             else:  # "naive", MiniMind's loop: each micro-batch's mean loss / k
-                loss = token_loss_sum / max(trained_tokens(mb["labels"]), 1) / k
+                loss = token_loss_sum / max(n_i, 1) / k
             if aux is not None:  # MoE: weighed by the micro-batch's share of the step's tokens (naive: 1/k)
-                share = trained_tokens(micro_batches[i]["labels"]) / n_tokens_total if normalization == "token" else 1 / k
+                share = n_i / n_tokens_total if normalization == "token" else 1 / k
                 loss, has_aux = loss + aux * (share * world if normalization == "token" else share), True
                 sums[1] += aux.detach().float() * share
             (scaler.scale(loss) if scaler is not None else loss).backward()
         sums[0] += token_loss_sum.detach().float()
-    loss_sum, aux_loss = (all_reduce_sum(sums.tolist(), device, torch.float64) if world > 1 else sums).tolist()
-    return {**stats, "loss_sum": loss_sum, "n_tokens": int(n_tokens_total), "loss": loss_sum / n_tokens_total,
-            **({"aux_loss": aux_loss} if has_aux else {})}
+    if world > 1:
+        sums = sums.double()
+        dist.all_reduce(sums, op=dist.ReduceOp.SUM)
+    loss_sum, aux_loss = sums.tolist() if sync else sums  # sync=False: 0-d device tensors, unread
+    return {**stats, "loss_sum": loss_sum, "n_tokens": int(n_tokens_total), **({"loss": loss_sum / n_tokens_total}
+            if sync else {}), **({"aux_loss": aux_loss} if has_aux else {})}
 
 
 # 5. AdamW's parameter groups (04, section 5) --------------------------------------------------------------------
@@ -232,15 +253,14 @@ def resolve_amp(amp: str, device: torch.device | str, hidden_size: int | None = 
         return AmpSettings(torch.bfloat16, False, "amp='bf16' requested")
     if amp == "fp16":  # the scaler is what makes fp16 safe; torch.amp has it on CPU and MPS too
         return AmpSettings(torch.float16, True, "amp='fp16' requested: fp16 autocast + GradScaler")
-    native = device.type in ("cuda", "cpu") and device_module.bf16_native(device)
-    if device.type == "cuda":
-        return (AmpSettings(torch.bfloat16, False, "auto: CUDA with native bf16 -> bf16 autocast") if native else
-                AmpSettings(torch.float16, True, "auto: CUDA without native bf16 -> fp16 autocast + GradScaler"))
+    native = device_module.bf16_native(device)  # CUDA: compute capability >= 8.0 (a T4's 7.5 has none); MPS: supported
+    if device.type in ("cuda", "mps"):
+        return (AmpSettings(torch.bfloat16, False, f"auto: {device.type} with bf16 -> bf16 autocast") if native else
+                AmpSettings(torch.float16, True, f"auto: {device.type} without bf16 -> fp16 autocast + GradScaler"))
     if native and hidden_size is not None and hidden_size >= CPU_BF16_MIN_HIDDEN:
         return AmpSettings(torch.bfloat16, False, f"auto: CPU with native bf16, hidden size {hidden_size} >= "
                                                   f"{CPU_BF16_MIN_HIDDEN} -> bf16 autocast")
-    why = ("autocast coverage varies; opt in with amp='bf16'" if device.type != "cpu" else
-           "no native bf16: emulated bf16 is slower" if not native else
+    why = ("no native bf16: emulated bf16 is slower" if not native else
            f"model size not given; bf16 pays from hidden size {CPU_BF16_MIN_HIDDEN}" if hidden_size is None else
            f"hidden size {hidden_size} < {CPU_BF16_MIN_HIDDEN}: bf16 measured slower than fp32 at that size")
     return AmpSettings(None, False, f"auto: {device.type} -> fp32 ({why})")
@@ -271,13 +291,13 @@ def evaluate(model: nn.Module, batches: Iterable[dict], *, device: torch.device 
     return {"loss": total / n, "ppl": math.exp(min(total / n, 50.0)), "tokens": n}
 
 
-# 8. The loop (04, section 6): fit = start, then per step: train, count bad steps, evaluate and save ----------
+# 8. The loop (04, section 6): fit = start, then per step: train; at log points read, count bad steps, evaluate, save
 class _Run:
     """One `fit` call: model, optimizer, scaler, data position and counters, and the steps of its loop."""
     def __init__(self, model: nn.Module, data: Iterable, cfg: TrainConfig, device: torch.device, controller: Any,
                  meter: Any, is_main_process: bool, callbacks: Sequence[Callable] = ()) -> None:
         self.model, self.cfg, self.device, self.controller = model.to(device).train(), cfg, device, controller
-        self.callbacks = list(callbacks)  # cb(step, row) after each step; cb.checkpoint_extra(row) into each last.pt
+        self.callbacks = list(callbacks)  # cb(step, row) after each step, before its checkpoint (see save)
         self.amp = resolve_amp(cfg.amp, device, getattr(getattr(model, "config", None), "hidden_size", None))
         self.stream, self.is_main_process = DataStream(data), is_main_process
         self.optimizer, self.scaler = build_optimizer(model, cfg, device), make_scaler(self.amp, device)
@@ -285,30 +305,30 @@ class _Run:
         self.meter = meter if meter is not None else getattr(controller, "meter", None)  # a controller's: its budget
         if self.meter is None and controller is None and device.type == "cuda":
             self.meter = MemoryMeter(device)  # a free one, for the peak memory of each step
+        takes_zero_grad = controller is not None and "zero_grad" in inspect.signature(controller.run_step).parameters
+        self.controller_kw = {"zero_grad": self.model} if takes_zero_grad else {}  # it clears an OOM's partial grads
         self.step = self.bad_in_row = self.bad_steps = self.rollbacks = self.scaler_skips = 0
-        self.lr_scale, self.data_exhausted, self.dropped_micro_batches = 1.0, False, 0
+        self.lr_scale, self.data_exhausted, self.dropped_micro_batches, self.window_start = 1.0, False, 0, None
 
     def accumulate_fn(self, micro_batches: Sequence[dict], *, forward_model: nn.Module | None = None,
                       n_tokens_total: int | None = None) -> dict:
-        """accumulate_step with the run's AMP (what a controller calls; forward_model: e.g. the DDP wrapper)."""
+        """accumulate_step with the run's AMP, unsynced (what a controller calls; forward_model: e.g. DDP's wrapper)."""
         return accumulate_step(forward_model if forward_model is not None else self.model, micro_batches,
                                amp_dtype=self.amp.dtype, scaler=self.scaler, device=self.device,
-                               n_tokens_total=n_tokens_total, normalization=self.cfg.normalization)
+                               n_tokens_total=n_tokens_total, normalization=self.cfg.normalization, sync=False)
 
-    def save(self, row: dict | None = None) -> str:
-        """Write the training state to ckpt_dir/last.pt (rank 0 only, never NaN weights), with what the callbacks'
-        `checkpoint_extra(row)` add (row: the step being saved); the event to log."""
-        if self.ckpt_path is None:
-            return ""
-        if not all(bool(torch.isfinite(p).all()) for p in self.model.parameters()):
-            return "ckpt_skipped_nonfinite"
-        if self.is_main_process:  # data parallel: rank 0 writes, every rank reads (resume, NaN rollback)
+    def save(self, row: dict) -> None:
+        """last.pt (rank 0; never NaN weights) with the callbacks' checkpoint_extra(); tag `row`; after_checkpoint()."""
+        tag = "ckpt_skipped_nonfinite" if nonfinite_parameters(self.model) else "ckpt"
+        row["event"] = ";".join(e for e in (row["event"], tag) if e)
+        if tag == "ckpt" and self.is_main_process:  # data parallel: rank 0 writes, every rank reads (resume, rollback)
+            extra = {k: v for cb in self.callbacks if hasattr(cb, "checkpoint_extra")
+                     for k, v in cb.checkpoint_extra().items()}
             save_training_state(self.ckpt_path, self.model, self.optimizer, cfg=self.cfg, step=self.step,
                                 scaler=self.scaler, data_state=self.stream.state_dict(), controller=self.controller,
-                                extra={"lr_scale": self.lr_scale, "bad_steps": self.bad_steps,
-                                       **{k: v for cb in self.callbacks if hasattr(cb, "checkpoint_extra")
-                                          for k, v in cb.checkpoint_extra(row).items()}})
-        return "ckpt"
+                                extra={"lr_scale": self.lr_scale, "bad_steps": self.bad_steps, **extra})
+            for cb in self.callbacks:
+                getattr(cb, "after_checkpoint", lambda: None)()
 
     def restore(self, path: str | Path, resume: bool) -> None:
         """Load a training state; resuming a run also checks its config and takes its counters (a rollback does not)."""
@@ -321,69 +341,84 @@ class _Run:
         self.stream.load_state_dict(info["data"])
         set_rng_state(info["rng"])  # last: re-creating the data iterator may draw from the RNG (a shuffling loader)
 
+    # One optimizer step, in 04's and 05's order: lr, data, forward+backward, clip and update, then its metrics row.
+    def next_items(self) -> list | None:
+        """The step's data: cfg.accum_steps micro-batches or one item for the controller (None: a spent generator)."""
+        start = self.stream.offset
+        try:
+            return [self.stream.next() for _ in range(self.cfg.accum_steps if self.controller is None else 1)]
+        except StopIteration:
+            self.data_exhausted, self.dropped_micro_batches = True, self.stream.offset - start
+            return None
+
+    def forward_backward(self, items: list) -> dict:
+        """The step's gradients, accumulated (a controller splits its item, retrying after an OOM); its stats."""
+        if self.controller is None:
+            return self.accumulate_fn(items)
+        return dict(self.controller.run_step(items[0], self.accumulate_fn, **self.controller_kw))
+
+    def update(self, loss_sum: Any, n_tokens: int) -> tuple:
+        """Clip and step, skipped on the device after a NaN/inf (section 3); (grad norm, finite, scale), unread."""
+        if not n_tokens:  # every label -100: AdamW would still move the weights (momentum, decay)
+            self.optimizer.zero_grad(set_to_none=True)
+            return math.nan, False, math.nan
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        grad_norm, finite = optimizer_step(self.optimizer, params, self.cfg.grad_clip, self.scaler, loss_sum)
+        return grad_norm, finite, math.nan if self.scaler is None else self.scaler._get_scale_async().clone()  # unread
+
     def train_step(self) -> dict | None:
-        """One optimizer step: set the LR, take the step's data (cfg.accum_steps micro-batches, or one item of samples
-        for the controller to split), accumulate, clip and update; its metrics row (None: the data ran out)."""
-        cfg, step, events, items = self.cfg, self.step, [], []
-        lr = lr_at(step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps, max_steps=cfg.max_steps)
-        lr *= self.lr_scale  # lowered by NaN rollbacks
+        """One optimizer step (its pieces above); its metrics row, the device's values still unread (None: no data)."""
+        cfg, self.window_start = self.cfg, self.window_start or time.perf_counter()
+        lr = self.lr_scale * lr_at(self.step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps,
+                                   max_steps=cfg.max_steps)  # lowered by NaN rollbacks
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        t0 = time.perf_counter()
         with self.meter.track(self.model, self.optimizer) if hasattr(self.meter, "track") else contextlib.nullcontext():
             if self.meter is not None:
                 self.meter.reset_peak()
-            try:
-                while len(items) < (cfg.accum_steps if self.controller is None else 1):
-                    items.append(self.stream.next())
-            except StopIteration:  # a spent generator: stop, and say what was left over
-                self.data_exhausted, self.dropped_micro_batches = True, len(items)
+            if (items := self.next_items()) is None:
                 return None
-            if self.controller is None:
-                stats = self.accumulate_fn(items)
-            else:  # zero_grad: the controller clears the failed attempt's gradients after an OOM
-                takes_zero_grad = "zero_grad" in inspect.signature(self.controller.run_step).parameters
-                kw = {"zero_grad": self.model} if takes_zero_grad else {}
-                stats = dict(self.controller.run_step(items[0], self.accumulate_fn, **kw))
-                events += [str(e) for e in stats.pop("events", []) or []]
-            loss = stats["loss_sum"] / stats["n_tokens"] if stats["n_tokens"] else math.nan
-            if not stats["n_tokens"]:  # every label -100: AdamW would still move the weights (momentum, decay)
-                self.optimizer.zero_grad(set_to_none=True)
-                grad_norm, skipped = math.nan, True
-                events.append("no_trained_tokens_skipped")
-            elif not math.isfinite(loss):  # a NaN/inf loss poisons every gradient: drop the step, keep the scaler out
-                self.optimizer.zero_grad(set_to_none=True)
-                grad_norm, skipped = math.nan, True
-                events.append("nonfinite_loss_skipped")
-            else:
-                scale_before = self.scaler.get_scale() if self.scaler is not None else None
-                params = [p for p in self.model.parameters() if p.requires_grad]
-                grad_norm, finite = optimizer_step(self.optimizer, params, cfg.grad_clip, self.scaler)
-                skipped = not finite and self.scaler is None
-                if not finite and self.scaler is not None:  # the usual fp16 overflow: the scaler lowered its scale
-                    self.scaler_skips += 1
-                    events.append(f"scaler_skip(scale {scale_before:g}->{self.scaler.get_scale():g})")
-                elif skipped:
-                    events.append("nonfinite_grad_skipped")
-        step_time = time.perf_counter() - t0
-        applied = not skipped and not any(e.startswith("scaler_skip") for e in events)  # the weights moved
-        row = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": stats["n_tokens"],
-               "applied": applied, "tokens_per_s": stats["n_tokens"] / step_time if step_time > 0 else math.nan,
+            stats = self.forward_backward(items)
+            grad_norm, finite, scale = self.update(stats["loss_sum"], stats["n_tokens"])
+        row = {"step": self.step, "loss": math.nan, "lr": lr, "grad_norm": grad_norm, "tokens": stats["n_tokens"],
+               "applied": False, "tokens_per_s": math.nan,
                "peak_memory_bytes": math.nan if self.meter is None else float(self.meter.peak()),
-               "step_time": step_time, "skipped": skipped, "val_loss": math.nan, "val_ppl": math.nan,
-               "scale": self.scaler.get_scale() if self.scaler is not None else math.nan, "events": events}
+               "step_time": math.nan, "skipped": True, "val_loss": math.nan, "val_ppl": math.nan, "scale": scale,
+               "events": [str(e) for e in stats.pop("events", [])]}
         row.update({key: value for key, value in stats.items()  # controller extras: micro_batch_size, seq_len, ...
-                    if key not in row and key not in ("loss_sum", "n_tokens") and isinstance(value, (int, float, str))})
-        return row
+                    if key not in row and key != "n_tokens" and isinstance(value, (int, float, str, torch.Tensor))})
+        self.step += 1  # a rollback rewinds it
+        return {**row, "finite": finite}
 
-    def count_bad_step(self, row: dict) -> None:
-        """Advance the step; after cfg.max_bad_steps NaN/inf steps in a row, roll back to last.pt at a lower LR."""
-        bad = row["skipped"] and row["tokens"] > 0  # a step without trained tokens is skipped: no sign of divergence
-        self.bad_in_row = self.bad_in_row + 1 if bad else 0
-        self.bad_steps += int(bad)
-        self.step += 1  # a rollback then rewinds it
-        if self.bad_in_row < self.cfg.max_bad_steps:
-            return
+    def read(self, rows: list[dict], t_start: float) -> None:
+        """The rows' device values in one host sync, and what each step did: loss, grad norm, skipped (NaN/inf: not
+        applied) or a GradScaler skip, with its events; the window's time shared out over its steps."""
+        keys = [(r, k) for r in rows for k, v in r.items() if torch.is_tensor(v)]
+        for (r, k), value in zip(keys, torch.stack([r[k].detach().double() for r, k in keys]).tolist() if keys else []):
+            r[k] = value
+        now = time.perf_counter()
+        for i, r in enumerate(rows):
+            r["step_time"] = (now - self.window_start) / len(rows)
+            r["tokens_per_s"] = r["tokens"] / r["step_time"] if r["step_time"] > 0 else math.nan
+            r["wall_time"] = self.window_start - t_start + (i + 1) * r["step_time"]
+            n, finite = r["tokens"], r.pop("finite")
+            r["loss"], r["applied"] = r.pop("loss_sum") / n if n else math.nan, bool(n) and bool(finite)  # it moved
+            r["skipped"] = not r["applied"]
+            if not n:  # every label -100: nothing to learn (AdamW would still have moved the weights)
+                r["events"].append("no_trained_tokens_skipped")
+            elif not math.isfinite(r["loss"]):  # a NaN/inf loss poisons every gradient: the step was dropped
+                r["grad_norm"] = math.nan
+                r["events"].append("nonfinite_loss_skipped")
+            elif not finite and self.scaler is not None:  # the usual fp16 overflow: the scaler lowered its scale
+                self.scaler_skips, r["skipped"] = self.scaler_skips + 1, False
+                before = r["scale"] / self.scaler.get_backoff_factor()  # an overflow multiplied the scale by it
+                r["events"].append(f"scaler_skip(scale {before:g}->{r['scale']:g})")
+            elif not finite:
+                r["events"].append("nonfinite_grad_skipped")
+        self.window_start = None
+
+    def roll_back(self, row: dict) -> None:
+        """Back to last.pt at a lower LR (the steps since are undone), or an error after cfg.max_rollbacks."""
         if self.rollbacks >= self.cfg.max_rollbacks:
             raise RuntimeError(f"training diverged: {self.bad_in_row} non-finite steps in a row at step "
                                f"{row['step']} after {self.rollbacks} rollbacks (lr scale {self.lr_scale:g})")
@@ -395,14 +430,32 @@ class _Run:
             row["events"].append("no_checkpoint_to_roll_back_to")
         row["events"].append(f"lr_scale={self.lr_scale:g}")
 
-    def evaluate_and_save(self, row: dict, val_batches: Iterable[dict] | None) -> None:
-        """After a good step: validate every cfg.eval_every steps and at the end, checkpoint every cfg.ckpt_every."""
-        cfg, done = self.cfg, self.step
-        if val_batches is not None and ((cfg.eval_every and done % cfg.eval_every == 0) or done == cfg.max_steps):
-            ev = evaluate(self.model, val_batches, device=self.device, amp_dtype=self.amp.dtype)
-            row["val_loss"], row["val_ppl"] = ev["loss"], ev["ppl"]
-        if cfg.ckpt_every and done % cfg.ckpt_every == 0 and (tag := self.save(row)):
-            row["events"].append(tag)
+    def log(self, rows: list[dict], val_batches: Iterable[dict] | None, t_start: float) -> bool:
+        """Read the rows, then per step: NaN steps (a rollback at the last row), validation, callbacks, checkpoint."""
+        self.read(rows, t_start)
+        cfg, stop, rollback = self.cfg, False, False
+        for row in rows:
+            bad = row["skipped"] and row["tokens"] > 0  # a step without trained tokens is skipped: no divergence
+            self.bad_in_row, self.bad_steps = self.bad_in_row + 1 if bad else 0, self.bad_steps + int(bad)
+            rollback = rollback or self.bad_in_row >= cfg.max_bad_steps
+            if rollback and row is rows[-1]:
+                self.roll_back(row)
+            done, good = row["step"] + 1, not row["skipped"] and not rollback
+            if good and val_batches is not None and ((cfg.eval_every and done % cfg.eval_every == 0)
+                                                     or done == cfg.max_steps):
+                ev = evaluate(self.model, val_batches, device=self.device, amp_dtype=self.amp.dtype)
+                row["val_loss"], row["val_ppl"] = ev["loss"], ev["ppl"]
+            row["event"] = ";".join(row.pop("events"))
+            stop = "stop" in [cb(row["step"], row) for cb in self.callbacks] or stop  # every callback runs
+            if good and self.ckpt_path is not None and cfg.ckpt_every and done % cfg.ckpt_every == 0:
+                self.save(row)
+        return stop
+
+    def due(self, step: int) -> bool:
+        """If fit reads the device after `step`: every cfg.log_every steps, before a validation, checkpoint, end."""
+        cfg, done = self.cfg, step + 1
+        return done >= cfg.max_steps or any(n and done % n == 0 for n in (max(cfg.log_every, 1), cfg.eval_every,
+                                                                          cfg.ckpt_every))
 
 
 def fit(model: nn.Module, train_batches_or_loader: Iterable, cfg: TrainConfig, *, device: torch.device | str,
@@ -411,33 +464,32 @@ def fit(model: nn.Module, train_batches_or_loader: Iterable, cfg: TrainConfig, *
         resume_from: str | Path | None = None, is_main_process: bool = True) -> pd.DataFrame:
     """Train `model` for cfg.max_steps optimizer steps: a DataFrame, one metrics row per step (attrs: run counters).
     The data yields cfg.accum_steps collated micro-batches per step, or, with a controller, each step's samples for
-    `controller.run_step(item, accumulate_fn[, zero_grad=model])` to split. cb(step, row): "stop" ends training."""
+    `controller.run_step(item, accumulate_fn[, zero_grad=model])` to split. cb(step, row) for each step at the next
+    log point, before its checkpoint (cb.checkpoint_extra() goes into it; then cb.after_checkpoint()); "stop" ends."""
     run = _Run(model, train_batches_or_loader, cfg, torch.device(device), controller, meter, is_main_process,
                callbacks or ())
     if resume_from is not None:
         run.restore(Path(resume_from), resume=True)
     else:
         seed_everything(cfg.seed)
-    rows, stop, t_start = [], False, time.perf_counter()
+    rows, pending, stop, t_start = [], [], False, time.perf_counter()
     with tqdm(total=cfg.max_steps, initial=run.step, disable=not cfg.progress, desc="train") as bar:
-        while run.step < cfg.max_steps and not stop and (row := run.train_step()) is not None:  # None: data ran out
-            run.count_bad_step(row)
-            row["wall_time"] = time.perf_counter() - t_start  # before the checkpoint, which holds the row
-            if not row["skipped"]:
-                run.evaluate_and_save(row, val_batches)
-            row["event"] = ";".join(row.pop("events"))
-            rows.append(row)
-            bar.update(max(0, run.step - bar.n))
-            if row["step"] % max(cfg.log_every, 1) == 0:
-                bar.set_postfix(loss=f"{row['loss']:.3f}", lr=f"{row['lr']:.2e}")
-            stop = "stop" in [cb(row["step"], row) for cb in run.callbacks]  # every callback runs
+        while run.step < cfg.max_steps and not stop:
+            pending += [row] if (row := run.train_step()) is not None else []  # None: the data ran out
+            if pending and (row is None or run.due(row["step"])):
+                stop = run.log(pending, val_batches, t_start)
+                rows += pending
+                bar.update(max(0, run.step - bar.n))
+                bar.set_postfix(loss=f"{rows[-1]['loss']:.3f}", lr=f"{rows[-1]['lr']:.2e}")
+                pending = []
+            if row is None:
+                break
         if rows and not any(r["applied"] for r in rows):  # before the final save: last.pt must not claim progress
             why = sorted({e.split("(")[0] for r in rows for e in r["event"].split(";") if "skip" in e})
             raise RuntimeError(f"no optimizer step was applied: all {len(rows)} step(s) were skipped ({', '.join(why)}"
                                f"); nothing was trained (check the data's labels, lower the lr, or try amp='off')")
         if run.ckpt_path is not None and rows and "ckpt" not in rows[-1]["event"].split(";"):
-            tag = run.save()  # the final state, so a later run (or notebook) can resume or load it
-            rows[-1]["event"] = ";".join(e for e in (rows[-1]["event"], tag) if e)
+            run.save(rows[-1])  # the final state, so a later run (or notebook) can resume or load it
     df = pd.DataFrame(rows)
     df.attrs.update({"amp": run.amp.name, "amp_reason": run.amp.reason, "bad_steps": run.bad_steps,
                      "rollbacks": run.rollbacks, "scaler_skips": run.scaler_skips, "final_lr_scale": run.lr_scale,

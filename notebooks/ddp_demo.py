@@ -195,9 +195,13 @@ def train_job(spec: dict, info: D.DistInfo, out_dir: Path) -> dict:
     def after_step(step: int, row: dict) -> None:
         sent.append(hook["bytes"])
         hook["bytes"] = 0
-        # fit keeps one last.pt (and rewrites it at the end): keep a copy of each periodic one to resume from
-        if info.is_main and cfg.ckpt_dir and "ckpt" in str(row.get("event", "")).split(";"):
-            snapshots.append(shutil.copyfile(Path(cfg.ckpt_dir) / "last.pt", out_dir / f"ckpt_step{step + 1}.pt").name)
+        done["steps"] = step + 1
+
+    def keep_snapshot() -> None:  # fit keeps one last.pt (and rewrites it at the end): a copy of each periodic one
+        if cfg.ckpt_every and done["steps"] % cfg.ckpt_every == 0:
+            snapshots.append(shutil.copyfile(Path(cfg.ckpt_dir) / "last.pt", out_dir / f"ckpt_step{done['steps']}.pt").name)
+
+    done, after_step.after_checkpoint = {"steps": 0}, keep_snapshot  # fit calls it on rank 0 once last.pt is written
 
     df = D.fit_distributed(model, sampler, cfg, info=info, grad_callback=grab, resume_from=spec.get("resume_from"),
                            callbacks=[after_step], comm_hook=(hook, counting_allreduce_hook))

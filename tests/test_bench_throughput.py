@@ -28,6 +28,10 @@ def test_main_baseline_keys_and_types():
                 "ours_tokens_per_s", "baseline_tokens_per_s", "ratio_useful_tokens_per_s"):
         assert isinstance(r[key], float) and r[key] > 0, key
     assert isinstance(r["model_flops_per_token"], int)
+    runs = r["ratio_useful_tokens_per_s_runs"]  # every paired ratio, one per repeat, and their spread
+    assert len(runs) == r["repeats"] == 1 and r["ratio_useful_tokens_per_s_min"] <= r["ratio_useful_tokens_per_s"]
+    assert r["ratio_useful_tokens_per_s"] <= r["ratio_useful_tokens_per_s_max"]
+    assert r["spec_peak_flops_per_s"] is None and r["mfu"] is None and r["baseline_mfu"] is None  # a CPU: no spec
     assert isinstance(r["peak_memory_bytes"], int) and r["peak_memory_bytes"] > 0
     assert isinstance(r["baseline_peak_memory_bytes"], int) and r["baseline_peak_memory_bytes"] > 0
     assert r["device"] == "cpu" and r["profile"] == "smoke" and r["config"]["preset"] == "smoke"
@@ -43,6 +47,32 @@ def test_main_pack_strategy_without_baseline():
     r = T.main(TINY + ["--strategy", "pack", "--no-memory"])
     assert r["strategy"] == "pack" and isinstance(r["tokens_per_s"], float) and r["peak_memory_bytes"] is None
     assert "ratio_useful_tokens_per_s" not in r
+    assert r["doc_attention"] == "dense"  # FlexAttention only on CUDA
+
+
+def test_default_repeats_and_the_spec_peak_table(monkeypatch):
+    assert T.parse_args([]).repeats == 5  # a median of 2 paired ratios would be their mean
+    for name, want in [("NVIDIA H100 80GB HBM3", (989e12, "bf16")), ("NVIDIA H200", (989e12, "bf16")),
+                       ("NVIDIA A100-SXM4-80GB", (312e12, "bf16")), ("NVIDIA GeForce RTX 4090", (165e12, "bf16")),
+                       ("NVIDIA GeForce RTX 3090", (71e12, "bf16")), ("Tesla T4", (65e12, "fp16")),
+                       ("AMD EPYC 7B13", (None, None)), ("NVIDIA L4", (None, None))]:
+        assert T.spec_peak(name) == want, name
+    monkeypatch.setattr(T, "device_name", lambda device: "NVIDIA H100 80GB HBM3")  # mfu: achieved over the spec
+    r = T.main(TINY + ["--no-memory"])
+    assert r["spec_peak_flops_per_s"] == 989e12 and r["mfu"] == r["achieved_flops_per_s"] / 989e12
+    assert r["fraction_of_matmul_peak"] == r["achieved_flops_per_s"] / r["matmul_peak_flops_per_s"]
+
+
+def test_ablation_separates_padding_dtype_and_optimizer():
+    r = T.main(TINY[:4] + ["--repeats", "2"] + TINY[6:] + ["--ablation"])
+    assert r["benchmark"] == "throughput-ablation" and r["rungs"] == ["recipe", "loop", "padding", "dtype", "optimizer"]
+    assert len(set(r["trained_tokens_per_repeat"].values())) == 1  # every rung trains the same tokens
+    assert r["amp"]["recipe"] == r["amp"]["loop"] == "fp32" and r["optimizer"]["optimizer"] == "fused"
+    assert r["optimizer"]["dtype"] != "fused"  # each rung changes one thing
+    for lever, v in r["levers"].items():
+        assert len(v["ratio_runs"]) == 2 and v["ratio_min"] <= v["ratio"] <= v["ratio_max"], lever
+    assert len(r["ratio_ours_vs_recipe_runs"]) == 2 and r["product_of_median_ratios"] > 0
+    json.dumps(r)
 
 
 def test_cli_prints_json():
@@ -107,7 +137,7 @@ def test_ours_budget_batches_keep_every_token_and_the_budget():
     assert all("attention_mask" not in mb for mb in mbs)  # right padding under causal attention needs no mask
     assert T.micro_batch_tokens(mbs) == sum(n - 1 for n in (30, 3, 17, 8, 25, 2))
     packed = T.ours_micro_batches(samples, seq_len=32, max_tokens=64, strategy="pack", pad_id=0)
-    assert all(mb["input_ids"].shape[1] == 32 and mb["attention_mask"].dtype == torch.bool for mb in packed)
+    assert all(mb["input_ids"].shape[1] == 32 and mb["block_mask"] == "auto" for mb in packed)  # made on the device
     with pytest.raises(ValueError, match="strategy='x'"):
         T.ours_micro_batches(samples, 32, 40, "x", 0)
 

@@ -11,7 +11,8 @@ import torch
 from minimind_lib.data import pad_collate
 from minimind_lib.checkpoint import (DataStream, get_rng_state, load_training_state, read_training_state,
                                      save_training_state, set_rng_state)
-from minimind_lib.model import MiniMindConfig, MiniMindForCausalLM, load_checkpoint, save_checkpoint
+from minimind_lib.checkpoint import load_checkpoint, save_checkpoint
+from minimind_lib.model import MiniMindConfig, MiniMindForCausalLM
 from minimind_lib.train import TrainConfig, build_optimizer, fit
 
 torch.set_num_threads(1)  # tiny matmuls: one thread is fastest, and the CI machine's 2 cores are shared

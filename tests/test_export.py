@@ -24,7 +24,8 @@ from minimind_lib.corpus import tokenizer_fingerprint  # noqa: E402
 from minimind_lib.export import EXPORT_FILES, export_run, import_hf  # noqa: E402
 from minimind_lib.fileio import exclusive_dir  # noqa: E402
 from minimind_lib.generate import generate_ids  # noqa: E402
-from minimind_lib.model import YARN_SCALING, MiniMindConfig, MiniMindForCausalLM, save_checkpoint  # noqa: E402
+from minimind_lib.checkpoint import save_checkpoint  # noqa: E402
+from minimind_lib.model import YARN_SCALING, MiniMindConfig, MiniMindForCausalLM  # noqa: E402
 from minimind_lib.tokenizer import load_tokenizer  # noqa: E402
 
 torch.set_num_threads(1)

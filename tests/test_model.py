@@ -14,9 +14,8 @@ from minimind_lib.model import (
     MiniMindForCausalLM,
     count_parameters,
     lm_loss,
-    load_checkpoint,
-    save_checkpoint,
 )
+from minimind_lib.checkpoint import load_checkpoint, save_checkpoint
 
 KEYS_JSON = Path(__file__).resolve().parents[2] / "shared" / "minimind2_small_keys.json"
 

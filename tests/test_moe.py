@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from test_minimind3 import reference_logits
 
-from minimind_lib.model import (MiniMindConfig, MiniMindForCausalLM, MoEFeedForward, count_parameters,
-                                load_checkpoint, save_checkpoint)
+from minimind_lib.checkpoint import load_checkpoint, save_checkpoint
+from minimind_lib.model import MiniMindConfig, MiniMindForCausalLM, MoEFeedForward, count_parameters
 
 KEYS_MOE = Path(__file__).resolve().parents[2] / "shared" / "minimind3_moe_keys.json"
 # MiniMind-3-MoE's key names and shapes (shared/minimind3_moe_keys.json, 171 keys), written out here so that the test

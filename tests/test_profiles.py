@@ -26,7 +26,7 @@ def test_selection_order(env, cuda, expected):
 
 
 def test_unknown_profile_names_the_choices():
-    with pytest.raises(ValueError, match=r"MINIMIND_PROFILE='huge'.*\['cpu', 'gpu', 'smoke', 'workshop'\]"):
+    with pytest.raises(ValueError, match=r"MINIMIND_PROFILE='huge'.*\['cpu', 'gpu', 'gpu-check', 'smoke', 'workshop'\]"):
         select_profile_name({"MINIMIND_PROFILE": "huge"}, cuda_available=False)
     with pytest.raises(ValueError, match="unknown profile 'huge'"):
         get_profile("huge")
@@ -44,7 +44,15 @@ def test_profiles_are_ordered_by_size():
         assert work == sorted(work), (stage, work)
     for p in PROFILES.values():
         assert p.max_tokens == p.batch_size * p.seq_len  # one micro-batch size: batch_size full rows
-        assert 1 <= p.eval_every <= min(p.pretrain_steps, p.sft_steps)
+        assert 1 <= p.eval_every <= p.pretrain_steps  # SFT validates at its end whatever eval_every says
+
+
+def test_gpu_check_profile_is_the_gpu_run_sized_for_minutes():
+    gpu, check = PROFILES["gpu"], PROFILES["gpu-check"]
+    assert (check.model, check.seq_len, check.max_tokens) == (gpu.model, gpu.seq_len, gpu.max_tokens)
+    for stage in ("train_steps", "pretrain_steps", "sft_steps"):
+        assert getattr(check, stage) < getattr(gpu, stage), stage
+    assert check.eval_every == check.pretrain_steps > check.sft_steps  # validation and checkpoints at the end only
 
 
 def test_overrides_do_not_touch_the_registry():

@@ -25,7 +25,8 @@ from minimind_lib.checkpoint import load_run
 from minimind_lib.corpus import JsonlReader
 from minimind_lib.data import memmap_dataset
 from minimind_lib.generate import generate, generate_ids
-from minimind_lib.model import MiniMindConfig, MiniMindForCausalLM, load_checkpoint
+from minimind_lib.checkpoint import load_checkpoint
+from minimind_lib.model import MiniMindConfig, MiniMindForCausalLM
 from minimind_lib.paths import DATA_DIR
 from minimind_lib.tokenizer import load_tokenizer
 from minimind_lib.train import evaluate
@@ -70,15 +71,15 @@ def test_a_kill_between_checkpoint_and_metrics_loses_no_row(tmp_path, cache, mon
     # The kill lands after last.pt (step 2) is written and before metrics.csv is: --resume must still restore the
     # rows of steps 0 and 1 exactly, from the checkpoint itself.
     straight = pipeline.pretrain(out=tmp_path / "straight", steps=4, ckpt_every=2, cache_dir=cache, **TINY).metrics
-    real_write = pipeline.Recorder.write_metrics
+    real_write = pipeline.Recorder.after_checkpoint
 
     def killed(self):
         raise RuntimeError("killed after last.pt was written")
 
-    monkeypatch.setattr(pipeline.Recorder, "write_metrics", killed)
+    monkeypatch.setattr(pipeline.Recorder, "after_checkpoint", killed)
     with pytest.raises(RuntimeError, match="killed"):
         pipeline.pretrain(out=tmp_path / "run", steps=4, ckpt_every=2, cache_dir=cache, **TINY)
-    monkeypatch.setattr(pipeline.Recorder, "write_metrics", real_write)
+    monkeypatch.setattr(pipeline.Recorder, "after_checkpoint", real_write)
     assert torch.load(tmp_path / "run" / "last.pt", weights_only=True)["step"] == 2
     assert not (tmp_path / "run" / "metrics.csv").exists()
     stale = tmp_path / "run" / ".minimind-tmp.last.pt.x1y2z3.tmp"  # what a kill during torch.save leaves
@@ -500,17 +501,15 @@ def test_the_generation_cap_warning_points_at_the_caller():
 def test_a_kill_between_checkpoint_and_samples_loses_no_sample(tmp_path, cache, monkeypatch):
     kw = {**TINY, "steps": 4, "ckpt_every": 2, "sample_every": 2, "sample_prompts": ("ROMEO.\n",), "cache_dir": cache}
     straight = pipeline.pretrain(out=tmp_path / "straight", **kw).samples
-    call = pipeline.Recorder.__call__
+    def killed(self):  # last.pt of step 2 (with the sample of step 2) is written; samples.jsonl is next
+        raise RuntimeError("killed after last.pt was written")
 
-    def killed(self, step, row):
-        if step == 1:  # last.pt of step 2 is written; samples.jsonl is next
-            raise RuntimeError("killed after last.pt was written")
-        return call(self, step, row)
-
-    monkeypatch.setattr(pipeline.Recorder, "__call__", killed)
+    monkeypatch.setattr(pipeline.Recorder, "after_checkpoint", killed)
     with pytest.raises(RuntimeError, match="killed"):
         pipeline.pretrain(out=tmp_path / "run", **kw)
-    monkeypatch.setattr(pipeline.Recorder, "__call__", call)
+    monkeypatch.undo()
+    assert torch.load(tmp_path / "run" / "last.pt", weights_only=True)["step"] == 2
+    assert not (tmp_path / "run" / "samples.jsonl").exists()
     resumed = pipeline.pretrain(out=tmp_path / "run", resume=True, **kw)
     assert [r["step"] for r in straight] == [2, 4] and resumed.samples == straight
     lines = (tmp_path / "run" / "samples.jsonl").read_text(encoding="utf-8").splitlines()

@@ -104,7 +104,7 @@ def test_resolve_amp(monkeypatch):
     assert resolve_amp("auto", "cpu") == AmpSettings(None, False, resolve_amp("auto", "cpu").reason)
     assert "slower" in resolve_amp("auto", "cpu").reason
     assert resolve_amp("auto", "cuda").dtype == torch.float16 and resolve_amp("auto", "cuda").use_scaler
-    assert resolve_amp("auto", "mps").dtype is None
+    assert resolve_amp("auto", "mps").dtype == torch.float16 and resolve_amp("auto", "mps").use_scaler
     assert resolve_amp("auto", "cpu", hidden_size=4096).dtype is None  # no native bf16: fp32 at any size
     monkeypatch.setattr(device_mod, "bf16_native", lambda d: True)
     # a CPU with native bf16: bf16 from CPU_BF16_MIN_HIDDEN (notebook 05's measured crossover), fp32 below or unknown
@@ -134,11 +134,17 @@ def test_fit_auto_amp_follows_the_model_size_on_a_bf16_cpu(monkeypatch):
         assert df.attrs["amp"] == want, (hidden, df.attrs["amp_reason"])
 
 
-def test_resolve_amp_auto_on_mps_is_fp32_whatever_the_bf16_support(monkeypatch):
-    for native in (True, False):
-        monkeypatch.setattr(device_mod, "bf16_native", lambda d, native=native: native)
-        a = resolve_amp("auto", "mps")
-        assert a.dtype is None and not a.use_scaler and "opt in with amp='bf16'" in a.reason
+def test_auto_amp_on_a_t4_and_on_mps_from_mocked_capabilities(monkeypatch):
+    # the real bf16_native: CUDA reads the compute capability (a T4 is 7.5: no bf16 tensor cores), MPS the support
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    t4 = resolve_amp("auto", "cuda")
+    assert (t4.dtype, t4.use_scaler, t4.name) == (torch.float16, True, "fp16") and "GradScaler" in t4.reason
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))  # an A100
+    assert (resolve_amp("auto", "cuda").dtype, resolve_amp("auto", "cuda").use_scaler) == (torch.bfloat16, False)
+    for supported, want in ((True, (torch.bfloat16, False)), (False, (torch.float16, True))):
+        monkeypatch.setattr(device_mod, "bf16_supported", lambda d, supported=supported: supported)
+        mps = resolve_amp("auto", "mps")
+        assert (mps.dtype, mps.use_scaler) == want, mps
 
 
 def test_optimizer_step_clips_measures_and_skips_nonfinite():

@@ -2,7 +2,9 @@
 
 Writes executed copies to OUT/notebooks/ and every PNG figure to OUT/figures/ (named after its notebook and cell).
 With --inplace the notebooks in notebooks/ get the outputs (how the committed outputs are made).
-Each notebook's cell timings go to docs/timings/<profile>.json (tools/course_times.py makes docs/teaching.md's table).
+Each notebook's cell timings go to docs/timings/<profile>.json (tools/course_times.py makes docs/teaching.md's table),
+or with --timings-dir to that folder (benchmarks/gpu_check.sh keeps them in its archive). --deadline S gives each
+notebook S seconds: a cell still running then fails with a timeout, and the notebook is saved as far as it ran.
 The profile is chosen as everywhere else (MINIMIND_PROFILE, else gpu with CUDA, else cpu).
 The kernel is the `minimind` kernel the notebooks declare (registered by `make kernel`) when it is registered,
 else this Python's own (as in CI, where nothing is registered); the runner prints which.
@@ -80,8 +82,9 @@ def choose_kernel(requested: str | None) -> str:
 
 
 def run_course(out: Path, inplace: bool, only: list[str] | None, timeout: int, kernel: str,
-               timings_dir: Path = TIMINGS_DIR) -> list[dict]:
-    """Execute the notebooks; return one record per notebook (name, seconds, figures, error); store cell timings."""
+               timings_dir: Path = TIMINGS_DIR, deadline: float | None = None) -> list[dict]:
+    """Execute the notebooks; return one record per notebook (name, seconds, figures, error); store cell timings.
+    deadline: seconds per notebook (each cell may run until then, at most `timeout`)."""
     import nbformat
     from nbclient import NotebookClient
 
@@ -91,10 +94,14 @@ def run_course(out: Path, inplace: bool, only: list[str] | None, timeout: int, k
     records = []
     for path in notebook_paths(notebook_dir, only):
         nb = nbformat.read(path, as_version=4)
-        for cell in nb.cells:  # a cell that does not run (after an error) must not keep an older run's timing
+        for cell in nb.cells:  # a cell that does not run (after an error) must not keep an older run's timing or output
             cell.metadata.pop("execution", None)
-        client = NotebookClient(nb, timeout=timeout, kernel_name=kernel, resources={"metadata": {"path": str(notebook_dir)}})
+            if cell.cell_type == "code":
+                cell.outputs, cell.execution_count = [], None
         start = time.perf_counter()
+        left = None if deadline is None else lambda cell: max(1, min(timeout, int(start + deadline - time.perf_counter())))
+        client = NotebookClient(nb, timeout=timeout, timeout_func=left, kernel_name=kernel,
+                                resources={"metadata": {"path": str(notebook_dir)}})
         error = None
         try:
             client.execute()
@@ -122,12 +129,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--inplace", action="store_true", help="write outputs into notebooks/ themselves")
     parser.add_argument("--only", nargs="*", default=None, help="notebook name prefixes, e.g. 03 04")
     parser.add_argument("--timeout", type=int, default=3600, help="seconds per cell")
+    parser.add_argument("--timings-dir", type=Path, default=TIMINGS_DIR, help="where <profile>.json goes")
+    parser.add_argument("--deadline", type=float, default=None, help="seconds per notebook (default: none)")
     parser.add_argument("--kernel", default=None,
                         help="Jupyter kernel name (default: minimind when registered, else python3 = this Python)")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    records = run_course(args.out, args.inplace, args.only, args.timeout, choose_kernel(args.kernel))
-    summary = {"device": device_report(), "notebooks": records}
+    records = run_course(args.out, args.inplace, args.only, args.timeout, choose_kernel(args.kernel), args.timings_dir,
+                         args.deadline)
+    summary = {"device": device_report(profile=get_profile()), "notebooks": records}
     (args.out / "course.json").write_text(json.dumps(summary, indent=2))
     return 1 if any(r["error"] for r in records) else 0
 
