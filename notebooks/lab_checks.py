@@ -1326,6 +1326,31 @@ def _compare_accumulate_no_sync(fn: Callable, g: torch.Generator) -> None:
 
 
 # 09 the memory of a rank --------------------------------------------------------------------------------------------
+from minimind_lib.memory import estimate_memory  # noqa: E402
+
+
+def per_rank_memory(config: Any, world: int, batch_size: int, seq_len: int, amp: str = "bf16") -> dict:
+    """The reference for 09's per_rank_bytes (no later chapter uses it, so it lives beside the check, not in
+    minimind_lib). Bytes a rank holds as a micro-batch's backward starts under gradient accumulation (estimate_memory's
+    terms), as {setup: {component: bytes}} for one plain GPU, DDP (plus its gradient buckets, a second fp32 gradient)
+    and FSDP2 over `world` ranks: weights, gradients and AdamW moments sharded, no autocast copy, two units (root or
+    block) gathered in the compute dtype and one unit's fp32 gradient before its reduce-scatter. Activations never
+    shrink."""
+    if int(world) < 1:
+        raise ValueError(f"world must be >= 1, got {world}")
+    est = estimate_memory(config, batch_size, seq_len, amp=amp, accum_steps=2)
+    embedding = config.vocab_size * config.hidden_size
+    unit = max(embedding, (est["n_params"] - embedding - config.hidden_size) // config.num_hidden_layers)
+    one = {"fp32 weights": est["params_bytes"], "fp32 gradients": est["grads_bytes"],
+           "AdamW moments": est["optimizer_bytes"], "autocast weight copy": est["amp_weight_copies_bytes"],
+           "DDP gradient buckets": 0, "unsharded units": 0,
+           "activations, logits, buffers": est["activations_bytes"] + est["head_bytes"] + est["buffers_bytes"]}
+    sharded = {k: one[k] / world for k in ("fp32 weights", "fp32 gradients", "AdamW moments")}
+    return {"one GPU": one, "DDP": {**one, "DDP gradient buckets": est["grads_bytes"]},
+            "FSDP2": {**one, **sharded, "autocast weight copy": 0,
+                      "unsharded units": unit * (2 * (4 if amp == "off" else 2) + 4)}}
+
+
 def _memory_config(g: torch.Generator) -> mm.MiniMindConfig:
     """A dense MiniMind of random size, from a few million to billions of parameters (head_dim = hidden / heads)."""
     heads = _pick(g, (4, 8, 16, 32))
@@ -1337,7 +1362,7 @@ def _memory_config(g: torch.Generator) -> mm.MiniMindConfig:
 
 def _memory_mistake(fn: Callable) -> str | None:
     c = mm.MiniMindConfig(hidden_size=2048, num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=4)
-    yours, want = fn(c, 8, 2, 512, "bf16"), DP.per_rank_memory(c, 8, 2, 512, "bf16")
+    yours, want = fn(c, 8, 2, 512, "bf16"), per_rank_memory(c, 8, 2, 512, "bf16")
     act = "activations, logits, buffers"
     if abs(yours["FSDP2"][act] * 8 - want["FSDP2"][act]) < 1:
         return "It divides the activations by world: every rank runs its own micro-batch, so they do not shrink."
@@ -1357,12 +1382,12 @@ def _memory_mistake(fn: Callable) -> str | None:
         "the logits and buffers) from estimate_memory with accum_steps=2; DDP adds its buckets, 4 bytes per "
         "parameter; FSDP2 divides the first three by world, keeps no autocast copy, and adds two units gathered (2 "
         "bytes per parameter under autocast, 4 without) and one unit's fp32 gradient.",
-        fallback=lambda fn: DP.per_rank_memory, probes=(_memory_mistake,))
+        fallback=lambda fn: per_rank_memory, probes=(_memory_mistake,))
 def _compare_per_rank_bytes(fn: Callable, g: torch.Generator) -> None:
     for _ in range(6):
         c, world, batch, seq, amp = (_memory_config(g), _int(g, 1, 16), _int(g, 1, 8), _pick(g, (128, 512, 2048)),
                                      _pick(g, ("bf16", "fp16", "off")))
-        want, yours = DP.per_rank_memory(c, world, batch, seq, amp), fn(c, world, batch, seq, amp)
+        want, yours = per_rank_memory(c, world, batch, seq, amp), fn(c, world, batch, seq, amp)
         call = (f"per_rank_bytes(c, {world}, {batch}, {seq}, {amp!r}) for c of hidden {c.hidden_size}, "
                 f"{c.num_hidden_layers} layers, vocabulary {c.vocab_size}")
         names = [(setup, part) for setup, parts in want.items() for part in parts]

@@ -23,6 +23,7 @@ from minimind_lib.train import accumulate_step, world_size
 DEMO = Path(__file__).resolve().parents[1] / "notebooks" / "ddp_demo.py"
 sys.path.insert(0, str(DEMO.parent))
 import ddp_demo as demo  # noqa: E402  (notebook 09's harness: a script beside the notebook, not the library)
+import lab_checks  # noqa: E402  (09's per-rank memory: the reference its lab check holds)
 
 # 32 variable-length samples, budget 96 padded tokens, 3 micro-batches per step -> an epoch of 4 global steps
 # [3, 3, 3, 1]: under 2 ranks one rank gets 2 micro-batches and the other 1, and in step 3 rank 1 gets none.
@@ -333,7 +334,7 @@ def test_per_rank_memory_one_gpu_ddp_and_fsdp2(amp):
     from minimind_lib.model import MiniMindConfig
 
     c, P = MiniMindConfig.preset("minimind2-small"), 25_829_888
-    one, eight = D.per_rank_memory(c, 1, 2, 512, amp), D.per_rank_memory(c, 8, 2, 512, amp)
+    one, eight = lab_checks.per_rank_memory(c, 1, 2, 512, amp), lab_checks.per_rank_memory(c, 8, 2, 512, amp)
     total = lambda parts: sum(parts.values())  # noqa: E731
     state = lambda parts: parts["fp32 weights"] + parts["fp32 gradients"] + parts["AdamW moments"]  # noqa: E731
     # one GPU is estimate_memory's peak under accumulation; DDP adds its buckets alone, on any number of ranks
@@ -346,4 +347,4 @@ def test_per_rank_memory_one_gpu_ddp_and_fsdp2(amp):
     unit = 6400 * 512  # the embedding (3,276,800) is larger than a block (2,819,072)
     assert eight["FSDP2"]["unsharded units"] == 2 * unit * (2 if amp == "bf16" else 4) + 4 * unit
     with pytest.raises(ValueError, match="world must be >= 1"):
-        D.per_rank_memory(c, 0, 2, 512)
+        lab_checks.per_rank_memory(c, 0, 2, 512)
