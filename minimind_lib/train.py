@@ -260,9 +260,9 @@ def resolve_amp(amp: str, device: torch.device | str, hidden_size: int | None = 
     if native and hidden_size is not None and hidden_size >= CPU_BF16_MIN_HIDDEN:
         return AmpSettings(torch.bfloat16, False, f"auto: CPU with native bf16, hidden size {hidden_size} >= "
                                                   f"{CPU_BF16_MIN_HIDDEN} -> bf16 autocast")
-    why = ("no native bf16: emulated bf16 is slower" if not native else
-           f"model size not given; bf16 pays from hidden size {CPU_BF16_MIN_HIDDEN}" if hidden_size is None else
-           f"hidden size {hidden_size} < {CPU_BF16_MIN_HIDDEN}: bf16 measured slower than fp32 at that size")
+    why = ("no bf16 instructions on this CPU: emulated bf16 is slower" if not native else "model size not given"
+           if hidden_size is None else f"hidden size {hidden_size} < {CPU_BF16_MIN_HIDDEN}, the bar that notebook 05's "
+           f"width sweep set on an AVX512-BF16 CPU, where bf16 won every run only from {CPU_BF16_MIN_HIDDEN}")
     return AmpSettings(None, False, f"auto: {device.type} -> fp32 ({why})")
 
 

@@ -791,6 +791,327 @@ def _compare_pad_batch(fn: Callable, g: torch.Generator) -> None:
 
 
 # ======================================================================================================================
+# 04_gradient_accumulation and 05_mixed_precision: the schedule, clipping, the update, exact accumulation, loss scaling
+# ======================================================================================================================
+import copy  # noqa: E402
+import math  # noqa: E402
+
+from minimind_lib import train as T  # noqa: E402
+from minimind_lib.device import get_device  # noqa: E402
+
+
+def _log_uniform(g: torch.Generator, low: float, high: float) -> float:
+    """A number drawn log-uniformly between low and high."""
+    return float(low * (high / low) ** torch.rand(1, generator=g))
+
+
+def _one(value: Any) -> torch.Tensor:
+    """A number as a 1-element float64 tensor, for first_difference (which then names index (0,))."""
+    return torch.tensor([float(value)], dtype=torch.float64)
+
+
+def _with_method(cls: type, name: str, method: Callable) -> type:
+    """The chapter's class (its __init__ and other methods, given code) with the library's rule as method `name`."""
+    return type(cls.__name__, (cls,), {name: method, "__doc__": cls.__doc__})
+
+
+# 04 the learning-rate schedule ----------------------------------------------------------------------------------------
+def _lrs(fn: Callable, schedule: dict, steps: int) -> torch.Tensor:
+    return torch.tensor([float(fn(s, **schedule)) for s in range(steps)], dtype=torch.float64)
+
+
+def _schedule_mistake(fn: Callable) -> str | None:
+    schedule, cosine = {"lr": 1.0, "min_lr": 0.1, "warmup_steps": 4, "max_steps": 20}, lambda progress, low: \
+        low + 0.5 * (1 + math.cos(math.pi * progress)) * (1.0 - low)
+    yours, decay = _lrs(fn, schedule, 26).tolist(), range(4, 20)
+    if yours[0] == 0:
+        return ("At step 0 it gives 0: warmup starts at lr / warmup_steps, so the first step already trains (a step "
+                "at rate 0 would only cost time).")
+    if all(abs(yours[s] - cosine(s / 20, 0.1)) < 1e-9 for s in decay):
+        return ("The cosine's progress counts from step 0, not from the end of warmup: the decay starts below lr. "
+                "Progress is 0 at the first step after warmup and 1 at max_steps.")
+    if all(abs(yours[s] - cosine((s - 4) / 16, 0.0)) < 1e-9 for s in decay):
+        return "It decays towards 0, not towards min_lr: the cosine runs between lr and min_lr."
+    if any(abs(yours[s] - 0.1) > 1e-9 for s in range(20, 26)):
+        return "From max_steps on it does not stay at min_lr (a cosine past its end comes back up)."
+    return None
+
+
+@region("lr_at", "during warmup the rate rises in equal steps from lr / warmup_steps at step 0 to lr at the last "
+        "warmup step; then it follows the cosine from lr down to min_lr, its progress going from 0 when warmup ends "
+        "to 1 at max_steps; from max_steps on it is min_lr. No warmup at all when warmup_steps is 0.",
+        fallback=lambda fn: T.lr_at, probes=(_schedule_mistake,))
+def _compare_lr_at(fn: Callable, g: torch.Generator) -> None:
+    for i in range(6):  # warmups of 0 steps, 1 step and more, twice each
+        max_steps, lr = _int(g, 2, 60), _log_uniform(g, 1e-4, 1e-1)
+        schedule = {"lr": lr, "min_lr": lr * _pick(g, (0.0, 0.1, 0.5)), "max_steps": max_steps,
+                    "warmup_steps": (0, 1, _int(g, 2, max_steps))[i % 3]}
+        steps = max_steps + 3
+        first_difference(f"the rate at steps 0..{steps - 1} of lr_at(step, "
+                         + ", ".join(f"{k}={v:.4g}" for k, v in schedule.items()) + ")",
+                         _lrs(fn, schedule, steps), _lrs(T.lr_at, schedule, steps), 1e-8)
+
+
+# 04 clipping by the global norm ---------------------------------------------------------------------------------------
+def _twins(params: list[torch.Tensor]) -> list[torch.nn.Parameter]:
+    """Copies of the parameters with copies of their gradients (None stays None)."""
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    for twin, p in zip(twins, params):
+        twin.grad = None if p.grad is None else p.grad.clone()
+    return twins
+
+
+def _clip_mistake(fn: Callable) -> str | None:
+    big, small = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))
+    big.grad, small.grad = torch.tensor([3.0, 4.0]), torch.tensor([0.3, 0.4])  # norms 5 and 0.5
+    fn([big, small], 1.0)
+    if torch.allclose(small.grad, torch.tensor([0.3, 0.4])) and abs(float(big.grad.norm()) - 1.0) < 1e-4:
+        return ("It clips each gradient by its own norm: one global norm over all the gradients decides one scale for "
+                "all of them, so the small gradient shrinks too and the update keeps its direction.")
+    small.grad, big.grad = torch.tensor([0.3, 0.4]), None
+    fn([small], 1.0)
+    if float(small.grad.norm()) > 0.5 + 1e-4:
+        return "With a norm below max_norm it scales the gradients up: the scale is never above 1."
+    small.grad = torch.tensor([3.0, 4.0])
+    if abs(float(fn([small], 1.0)) - 1.0) < 1e-4:
+        return "It returns the norm after clipping: return the norm before it, the number the loop logs."
+    return None
+
+
+@region("clip_by_global_norm", "the global norm is the L2 norm of all the gradients' entries together (parameters "
+        "without a gradient are left out); when it is above max_norm, multiply every gradient in place by max_norm / "
+        "(norm + 1e-6), never by more than 1; return the norm measured before clipping.",
+        fallback=lambda fn: torch.nn.utils.clip_grad_norm_, probes=(_clip_mistake,))
+def _compare_clip(fn: Callable, g: torch.Generator) -> None:
+    params = [torch.nn.Parameter(torch.zeros(*[_int(g, 1, 7) for _ in range(_int(g, 1, 3))]))
+              for _ in range(_int(g, 3, 6))]
+    for p in params[:-1] if _int(g, 0, 1) else params:  # sometimes the last has no gradient (an unused weight)
+        p.grad = torch.randn(p.shape, generator=g) * _log_uniform(g, 0.01, 10)
+    norm = float(torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None]))
+    for max_norm in (norm * _pick(g, (0.1, 0.5, 0.9)), norm * _pick(g, (1.5, 4.0))):  # one that clips, one that not
+        yours, library = _twins(params), _twins(params)
+        got, want = fn(yours, max_norm), torch.nn.utils.clip_grad_norm_(library, max_norm)
+        what = f"clipping {len(params)} gradients of global norm {norm:.4g} to max_norm={max_norm:.4g}"
+        for i, (y, w) in enumerate(zip(yours, library)):
+            if w.grad is not None:
+                first_difference(f"gradient {i} after {what}", y.grad, w.grad, 1e-5)
+        first_difference(f"the norm returned by {what}", _one(got), _one(want), 1e-5)
+
+
+# 04 clip and step -----------------------------------------------------------------------------------------------------
+def _step_mistake(fn: Callable) -> str | None:
+    p = torch.nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.SGD([p], lr=0.1)
+    p.grad = torch.tensor([1.0, math.inf, 1.0])
+    fn(optimizer, [p], 1.0)
+    if not torch.equal(p.detach(), torch.ones(3)):
+        return ("It takes the step although the gradient norm is inf/NaN: such a step turns weights into inf/NaN "
+                "(and AdamW's states with them); skip it, and still clear the gradients.")
+    p.grad = torch.tensor([3.0, 4.0, 0.0])
+    norm = fn(optimizer, [p], 1.0)[0]
+    if p.grad is not None and float(p.grad.abs().sum()) > 0:
+        return ("It leaves the gradients in .grad after the step: the next step's backward would add its gradients to "
+                "them. Clear them (zero_grad) after every step, a skipped one too.")
+    if abs(float(norm) - 1.0) < 1e-4:
+        return "It returns the norm after clipping (1.0 here): return the norm before it, the number the loop logs."
+    return None
+
+
+@region("optimizer_step", "clip the gradients' global norm to grad_clip with PyTorch's clip_grad_norm_ (no limit "
+        "when grad_clip is None or 0); call the optimizer's step only when that norm is finite; then clear the "
+        "gradients; return the norm before clipping as a float and whether it was finite.",
+        fallback=lambda fn: _library_optimizer_step, probes=(_step_mistake,))
+def _compare_optimizer_step(fn: Callable, g: torch.Generator) -> None:
+    shapes = [tuple(_int(g, 1, 6) for _ in range(_int(g, 1, 2))) for _ in range(_int(g, 1, 4))]
+    start = [torch.randn(s, generator=g) for s in shapes]
+    kind, lr = _pick(g, ("AdamW", "SGD")), _log_uniform(g, 1e-3, 0.1)
+
+    def make() -> tuple[list[torch.nn.Parameter], torch.optim.Optimizer]:
+        params = [torch.nn.Parameter(t.clone()) for t in start]
+        return params, (torch.optim.AdamW(params, lr=lr, weight_decay=0.1) if kind == "AdamW" else
+                        torch.optim.SGD(params, lr=lr, momentum=0.9))
+
+    (yours, yours_opt), (library, library_opt) = make(), make()
+    bad_step = _int(g, 0, 3)  # the step whose gradient holds an inf or a nan
+    for step in range(4):
+        grads = [torch.randn(s, generator=g) * _log_uniform(g, 0.1, 10) for s in shapes]
+        norm = float(torch.nn.utils.get_total_norm(grads))
+        if step == bad_step:
+            grads[_int(g, 0, len(grads) - 1)].view(-1)[0] = _pick(g, (math.inf, -math.inf, math.nan))
+        # even steps clip (to a fraction of the norm), odd ones do not or may not (None, 0: no limit)
+        clip = norm * _log_uniform(g, 0.2, 0.9) if step % 2 == 0 else _pick(g, (None, 0.0, _log_uniform(g, 0.1, 10)))
+        for params in (yours, library):
+            for p, grad in zip(params, grads):
+                p.grad = grad.clone()
+        got, (norm, finite) = fn(yours_opt, yours, clip), T.optimizer_step(library_opt, library, clip)
+        what = (f"step {step} of {kind} (grad_clip={clip if clip is None else round(clip, 4)!r}"
+                + (", a gradient holding an inf or a nan)" if step == bad_step else ")"))
+        if not isinstance(got, tuple) or len(got) != 2:
+            raise Different(f"optimizer_step returns a {type(got).__name__}; it should return (the norm before "
+                            "clipping, whether it was finite).")
+        for i, (y, w) in enumerate(zip(yours, library)):
+            first_difference(f"weight {i} after {what}", y.detach(), w.detach(), 1e-5)
+        left = [0.0 if p.grad is None else float(p.grad.abs().max()) for p in yours]
+        first_difference(f"what .grad still holds after {what} (largest entry of each weight's; 0: cleared)",
+                         torch.tensor(left, dtype=torch.float64), torch.zeros(len(left), dtype=torch.float64), 0.0)
+        first_difference(f"whether the norm was finite at {what} (1: yes)", _one(bool(got[1])), _one(bool(finite)), 0)
+        if bool(finite):
+            first_difference(f"the norm returned at {what}", _one(got[0]), _one(norm), 1e-5)
+
+
+def _library_optimizer_step(optimizer: torch.optim.Optimizer, params: list, grad_clip: float | None) -> tuple:
+    """minimind_lib's optimizer_step, returning Python numbers as the chapter's does."""
+    norm, finite = T.optimizer_step(optimizer, params, grad_clip)
+    return float(norm), bool(finite)
+
+
+# 04 exact token-weighted accumulation ---------------------------------------------------------------------------------
+def _library_accumulate_step(model: torch.nn.Module, micro_batches: Sequence[dict],
+                             normalization: str = "token") -> dict:
+    """minimind_lib's accumulate_step, called as the chapter calls its own."""
+    return T.accumulate_step(model, micro_batches, normalization=normalization)
+
+
+def _accumulation_case(g: torch.Generator) -> tuple[torch.nn.Module, list[dict]]:
+    """A small random model on the notebook's device, and k micro-batches whose trained-token counts differ a lot (one
+    of short rows among longer ones), padded as the chapter pads them."""
+    c = _config(g, layers=_int(g, 1, 2))
+    model = _randomize(mm.MiniMindForCausalLM(c), g).to(get_device())
+    micro = [[_int(g, 2, 4)]]  # one row of 1 to 3 trained tokens; the others at least one row of 7 or more
+    micro += [[longest := _int(g, 8, 24)] + [_int(g, 2, longest) for _ in range(_int(g, 0, 2))]
+              for _ in range(_int(g, 1, 3))]
+    micro = [D.pad_collate([{"input_ids": ids, "labels": ids.clone()} for ids in
+                            (torch.randint(0, c.vocab_size, (n,), generator=g) for n in lengths)]) for lengths in micro]
+    return model, [micro[i] for i in torch.randperm(len(micro), generator=g).tolist()]
+
+
+def _accumulated(fn: Callable, model: torch.nn.Module, micro: list[dict], normalization: str) -> tuple[Any, dict]:
+    """What fn returns for one step of a copy of the model, and the gradients it leaves, by parameter name."""
+    model = copy.deepcopy(model)
+    model.zero_grad(set_to_none=True)
+    with torch.enable_grad():
+        stats = fn(model, [dict(mb) for mb in micro], normalization=normalization)
+    return stats, {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _accumulation_mistake(fn: Callable) -> str | None:
+    model, micro = _accumulation_case(torch.Generator().manual_seed(0))
+    def flat(fn: Callable, normalization: str) -> torch.Tensor:
+        return torch.cat([v.flatten() for v in _accumulated(fn, model, micro, normalization)[1].values()])
+
+    yours = flat(fn, "token")
+    naive, exact = flat(_library_accumulate_step, "naive"), flat(_library_accumulate_step, "token")
+    if yours.shape == naive.shape and torch.allclose(yours, naive, rtol=1e-4, atol=1e-4 * float(naive.abs().max())):
+        return ("Under normalization='token' it computes the naive gradient, averaging per micro-batch: each "
+                "micro-batch's mean token loss / k, so a token of a short micro-batch weighs more than one of a long "
+                "micro-batch. Exact: divide every micro-batch's summed token loss by the trained tokens of the whole "
+                "step, counted over all k micro-batches before the first backward.")
+    if yours.shape == exact.shape:
+        factor = float(yours @ exact / (exact @ exact))
+        if abs(factor - 1) > 1e-3 and torch.allclose(yours, factor * exact, atol=1e-4 * float(yours.abs().max())):
+            n = sum(int((mb["labels"][:, 1:] != -100).sum()) for mb in micro)
+            return (f"Its gradient is the exact one times {factor:.4g}: the right direction, the wrong division (the "
+                    f"exact step divides the summed token losses by the step's {n} trained tokens).")
+    return None
+
+
+@region("accumulate_step", "count the trained tokens N of all the micro-batches from their labels first; then for "
+        "each micro-batch: forward, the sum of its token losses, that sum divided by N ('token') or by its own "
+        "trained tokens and by k ('naive'), backward. Add up the summed token losses for the result.",
+        fallback=lambda fn: _library_accumulate_step, probes=(_accumulation_mistake,))
+def _compare_accumulate_step(fn: Callable, g: torch.Generator) -> None:
+    model, micro = _accumulation_case(g)
+    counts = [int((mb["labels"][:, 1:] != -100).sum()) for mb in micro]
+    for normalization in ("token", "naive"):
+        (stats, yours), (want_stats, want) = (_accumulated(f, model, micro, normalization)
+                                              for f in (fn, _library_accumulate_step))
+        what = f"normalization={normalization!r}, {len(micro)} micro-batches of {counts} trained tokens"
+        scale = max(float(w.abs().max()) for w in want.values())
+        for name, w in want.items():
+            first_difference(f"the gradient of {name} under {what} (as a fraction of the largest entry)",
+                             yours[name] / scale if name in yours else None, w / scale, 1e-4)
+        for key in ("n_tokens", "loss_sum", "loss"):
+            if not isinstance(stats, Mapping) or key not in stats:
+                raise Different(f"accumulate_step returns no {key!r}: it returns a dict with loss_sum, n_tokens, loss.")
+            first_difference(f"{key} returned under {what}", _one(stats[key]), _one(want_stats[key]), 1e-5)
+
+
+# 05 the GradScaler's update -------------------------------------------------------------------------------------------
+def _scaler_update(self: Any) -> None:
+    """torch.amp.GradScaler's update rule (its _amp_update_scale_), on the chapter's HandScaler."""
+    if self.found_inf:
+        self.scale_value, self.good_steps = self.scale_value * self.backoff_factor, 0
+    else:
+        self.good_steps += 1
+        if self.good_steps == self.growth_interval:
+            self.scale_value, self.good_steps = self.scale_value * self.growth_factor, 0
+    self.unscaled = False
+
+
+def _scale_trace(make: Callable, overflows: Sequence[bool]) -> torch.Tensor:
+    """The scale after each step of a run whose step i overflows when overflows[i] (make() builds the scaler)."""
+    p = torch.nn.Parameter(torch.zeros(3))
+    optimizer, scaler, trace = torch.optim.SGD([p], lr=0.0), make(), []
+    for bad in overflows:
+        scaler.scale(torch.ones(()))
+        p.grad = torch.tensor([1.0, math.inf if bad else 1.0, 1.0])
+        scaler.unscale_(optimizer)
+        scaler.step(optimizer)
+        scaler.update()
+        trace.append(float(scaler.get_scale()))
+    return torch.tensor(trace, dtype=torch.float64)
+
+
+def _rule_trace(overflows: Sequence[bool], interval: int, variant: str) -> list[float]:
+    """The scale after each step by the update rule with one usual mistake (init 1024, growth 2, backoff 0.5)."""
+    scale, good, trace = 1024.0, 0, []
+    for bad in overflows:
+        if bad:
+            scale, good = scale * (1.0 if variant == "no backoff" else 0.5), good if variant == "keeps count" else 0
+        else:
+            good += 1
+            if (variant == "every step" or good == interval + (variant == "one late")
+                    or (variant == "no restart" and good > interval)):
+                scale, good = scale * 2.0, good if variant == "no restart" else 0
+        trace.append(scale)
+    return trace
+
+
+SCALER_MISTAKES = {
+    "keeps count": "After an overflow it goes on counting the good steps from before it: an overflow starts the count "
+                   "again from 0, so the scale grows only after growth_interval good steps in a row.",
+    "every step": "It grows the scale after every good step: only after growth_interval good steps in a row.",
+    "one late": "It grows the scale one good step late: the step that brings the count to growth_interval grows it.",
+    "no restart": "After growing it does not start the count again, so it grows at every good step from then on.",
+    "no backoff": "On an overflow it leaves the scale as it is: it must shrink (times backoff_factor), or the next "
+                  "step overflows again.",
+}
+
+
+def _scaler_mistake(cls: type) -> str | None:
+    overflows = [False, False, True, False, False, False, False, False, False, False, True, False, False, False]
+    yours = _scale_trace(lambda: cls(init_scale=1024.0, growth_interval=3), overflows).tolist()
+    return next((SCALER_MISTAKES[v] for v in SCALER_MISTAKES if yours == _rule_trace(overflows, 3, v)), None)
+
+
+@region("HandScaler.update", "after a step whose gradients overflowed (found_inf): multiply the scale by "
+        "backoff_factor and start the count of good steps again from 0; after a good step: count it, and when the "
+        "count reaches growth_interval multiply the scale by growth_factor and start the count again.",
+        fallback=lambda cls: _with_method(cls, "update", _scaler_update), probes=(_scaler_mistake,))
+def _compare_scaler_update(cls: type, g: torch.Generator) -> None:
+    kw = {"init_scale": 2.0 ** _int(g, 4, 16), "growth_factor": _pick(g, (2.0, 4.0)),
+          "backoff_factor": _pick(g, (0.5, 0.25)), "growth_interval": _int(g, 2, 5)}
+    n = kw["growth_interval"]  # good steps, an overflow, then more good steps than a growth takes; then at random
+    overflows = [False] * (n - 1) + [True] + [False] * (n + 1)
+    overflows += (torch.rand(_int(g, 10, 25), generator=g) < _pick(g, (0.15, 0.4))).tolist()
+    settings = ", ".join(f"{k}={v:g}" for k, v in kw.items())
+    first_difference(f"the scale after each of {len(overflows)} steps ({settings}; overflows at steps "
+                     f"{[i for i, bad in enumerate(overflows) if bad]})",
+                     _scale_trace(lambda: cls(**kw), overflows),
+                     _scale_trace(lambda: torch.amp.GradScaler("cpu", **kw), overflows), 0.0)
+
+
+# ======================================================================================================================
 # 09_beyond_one_gpu: the split, the global token count, no_sync, the memory of a rank
 # ======================================================================================================================
 import contextlib  # noqa: E402  (this section's own imports: the chapters' sections stay apart)

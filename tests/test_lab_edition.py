@@ -96,9 +96,9 @@ def test_the_stripper_follows_nbgraders_rules():
         handout.lab_edition(unmarked, "x.ipynb")
 
 
-def run_chapter_until_check(path: Path, name: str, body: str | None) -> None:
+def run_chapter_until_check(path: Path, name: str, body: str | None) -> dict:
     """Execute the chapter's code cells in this process, region `name` written as `body`, up to and including the
-    first cell that checks it (the cells before it run as they are)."""
+    first cell that checks it (the cells before it run as they are); the cells' namespace."""
     import matplotlib
     matplotlib.use("Agg")
     nb, namespace, planted = chapter(path), {}, False
@@ -112,7 +112,7 @@ def run_chapter_until_check(path: Path, name: str, body: str | None) -> None:
         exec(compile(source, f"{path.name} cell {cell.get('id')}", "exec"), namespace)
         if name in CHECK_CALL.findall(cell.source):
             assert planted or body is None, f"region {name} not found in {path.name}"
-            return
+            return namespace
     raise AssertionError(f"no check cell for {name} in {path.name}")
 
 
@@ -122,6 +122,14 @@ q, k = apply_rope(q, k, cos, sin)
 k, v = repeat_kv(k, self.n_rep), repeat_kv(v, self.n_rep)
 y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
 return self.o_proj(y.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))'''
+
+
+CLIP_PER_TENSOR = """norms = []
+for p in params:
+    if p.grad is not None:
+        norms.append(torch.linalg.vector_norm(p.grad))
+        p.grad.mul_(torch.clamp(max_norm / (norms[-1] + 1e-6), max=1.0))
+return torch.linalg.vector_norm(torch.stack(norms))"""
 
 
 def with_mistake(chapter_name: str, name: str, right: str, wrong: str) -> str:
@@ -136,8 +144,7 @@ def with_mistake(chapter_name: str, name: str, right: str, wrong: str) -> str:
 
 
 # Planted mistakes: chapter, region, the region's body as a learner might write it, what the check's message must
-# name. A chapter owner adds a row per usual mistake of the chapter's regions (04: accumulation averaging per
-# micro-batch; 08: top-p keeping the wrong side).
+# name. A chapter owner adds a row per usual mistake of the chapter's regions (08: top-p keeping the wrong side).
 PLANTED = [
     ("01_tokenizer", "get_stats", "flat = [i for ids in words for i in ids]\nreturn Counter(zip(flat, flat[1:]))",
      r"counts a pair across two words"),
@@ -177,6 +184,30 @@ PLANTED = [
     ("03_model", "init_weights", with_mistake("03_model", "init_weights", "isinstance(module, (nn.Linear, "
                                               "nn.Embedding))", "hasattr(module, 'weight')"),  # gains drawn too
      r"draws the RMSNorm gains too"),
+    ("04_gradient_accumulation", "lr_at",  # warmup from 0
+     with_mistake("04_gradient_accumulation", "lr_at", "lr * (step + 1) / warmup_steps", "lr * step / warmup_steps"),
+     r"At step 0 it gives 0"),
+    ("04_gradient_accumulation", "lr_at", with_mistake("04_gradient_accumulation", "lr_at", "(step - warmup_steps) / "
+                                                       "max(1, max_steps - warmup_steps)", "step / max_steps"),
+     r"progress counts from step 0, not from the end of warmup"),
+    ("04_gradient_accumulation", "clip_by_global_norm", CLIP_PER_TENSOR, r"clips each gradient by its own norm"),
+    ("04_gradient_accumulation", "optimizer_step",  # steps on an inf/NaN gradient
+     with_mistake("04_gradient_accumulation", "optimizer_step", "if math.isfinite(grad_norm):\n    optimizer.step()",
+                  "optimizer.step()"), r"takes the step although the gradient norm is inf/NaN"),
+    ("04_gradient_accumulation", "optimizer_step",
+     with_mistake("04_gradient_accumulation", "optimizer_step", "optimizer.zero_grad(set_to_none=True)\n", ""),
+     r"leaves the gradients in \.grad"),
+    ("04_gradient_accumulation", "accumulate_step",  # issue 34: the naive mean per micro-batch / k under "token"
+     with_mistake("04_gradient_accumulation", "accumulate_step", "loss = token_losses / n_tokens",
+                  'loss = token_losses / count_trained(mb["labels"]) / len(micro_batches)'),
+     r"averaging per micro-batch"),
+    ("05_mixed_precision", "HandScaler.update",  # the count of good steps survives an overflow
+     with_mistake("05_mixed_precision", "HandScaler.update", "self.scale_value *= self.backoff_factor\n"
+                  "    self.good_steps = 0\n", "self.scale_value *= self.backoff_factor\n"),
+     r"goes on counting the good steps from before it"),
+    ("05_mixed_precision", "HandScaler.update",
+     with_mistake("05_mixed_precision", "HandScaler.update", "if self.good_steps == self.growth_interval:",
+                  "if self.good_steps > self.growth_interval:"), r"one good step late"),
     ("09_beyond_one_gpu", "deal", "return [list(range(r, len(costs), n_ranks)) for r in range(n_ranks)]",
      r"round-robin"),
     ("09_beyond_one_gpu", "rank_backward", with_mistake("09_beyond_one_gpu", "rank_backward", "* world / n_global",
@@ -217,14 +248,15 @@ def test_a_stub_says_not_written_and_the_notebook_goes_on(capsys, monkeypatch):
     assert "rsqrt" not in line and "xf" not in line  # the hint never gives the code
 
 
-FUNCTION_REGIONS = [r.name for n in ("01_tokenizer", "02_data", "09_beyond_one_gpu")
+FUNCTION_REGIONS = [r.name for n in ("01_tokenizer", "02_data", "04_gradient_accumulation", "09_beyond_one_gpu")
                     for r in handout.notebook_regions(chapter(NB_DIR / f"{n}.ipynb"))]
 
 
 @pytest.mark.parametrize("name", FUNCTION_REGIONS)
 def test_a_stub_goes_on_with_a_version_that_passes_the_check(name, capsys):
-    """01's and 02's regions are functions: a stub's check says "not written yet" and returns the library's version
-    (or its rule, written in lab_checks.py where the library has no such function), which passes the same check."""
+    """01's, 02's, 04's and 09's regions are functions: a stub's check says "not written yet" and returns the library's
+    version (or its rule, written in lab_checks.py where the library has no such function), which passes the same
+    check."""
     def stub(*args, **kwargs):
         raise NotImplementedError()
 
@@ -232,6 +264,17 @@ def test_a_stub_goes_on_with_a_version_that_passes_the_check(name, capsys):
     assert capsys.readouterr().out.startswith(f"{name}: not written yet. Hint: ")
     assert lab_checks.check(name, fallback) is fallback
     assert capsys.readouterr().out.startswith(f"{name}: passed (equal to minimind_lib's on fresh random inputs)")
+
+
+def test_a_stub_scaler_update_goes_on_with_torchs_rule(capsys, monkeypatch):
+    """05's region is a method: with a stub, the check returns the chapter's HandScaler with torch.amp.GradScaler's
+    update rule, which passes the same check (and so runs the scaler demonstration that follows it)."""
+    monkeypatch.setenv("MINIMIND_PROFILE", "smoke")
+    stub = "raise NotImplementedError()"
+    cells = run_chapter_until_check(NB_DIR / "05_mixed_precision.ipynb", "HandScaler.update", stub)
+    assert "HandScaler.update: not written yet. Hint: " in capsys.readouterr().out
+    assert lab_checks.check("HandScaler.update", cells["HandScaler"]) is cells["HandScaler"]
+    assert capsys.readouterr().out.startswith("HandScaler.update: passed (equal to minimind_lib's")
 
 
 # 09: its arithmetic regions come after a 2-process torchrun job; their planted mistakes run in the chapter cut to its
