@@ -129,4 +129,7 @@ def test_lab_regions_are_estimated_by_the_stated_rule(tmp_path: Path):
     assert row["regions"] == [{"name": "f", "lines": 2, "minutes": minutes}] and row["lab_minutes"] == minutes
     assert doc_numbers.estimate_value("lab:04", tmp_path) == str(minutes)
     assert doc_numbers.estimate_value("regions:04", tmp_path) == "1"
+    assert doc_numbers.region_value("04:f", tmp_path) == str(minutes)
+    with pytest.raises(KeyError, match="not among notebook 04's regions"):
+        doc_numbers.region_value("04:g", tmp_path)
     assert f"| `04_x` | `f` | 2 | {minutes} |" in course_times.regions_table(tmp_path)

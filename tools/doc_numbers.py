@@ -9,6 +9,7 @@ between markers, `<!--n:KEY-->VALUE<!--/n-->` (invisible once rendered), and thi
                                    or hours; NOTEBOOKS is `all`, `04-06` or `07,08`;
                                    terms add up (`total:07,08+exercises:09`). With <=LIMIT the minutes must fit in
                                    LIMIT (a plan's session), or this fails and names the session.
+    region:NN:NAME[,NAME...]       minutes of those lab regions of notebook NN (the lab-regions table), summed
     run:PROFILE:NOTEBOOKS          minutes measured in that profile (docs/timings/PROFILE.json), summed
     out:NAME                       a value printed by a committed notebook (OUTPUTS below: notebook, pattern, format)
     committed:profile|device|cores the profile, device and CPU cores that every committed notebook's outputs come from
@@ -160,11 +161,21 @@ def measured_value(spec: str, timings_dir: Path = course_times.TIMINGS_DIR) -> s
     return f"{sum(by_number[n] for n in _notebooks(chosen, sorted(by_number))) / 60:.1f}"
 
 
+def region_value(spec: str, notebook_dir: Path = NOTEBOOKS) -> str:
+    """region:NN:NAME[,NAME...]: the minutes the lab-regions table gives those regions of notebook NN, summed."""
+    number, _, names = spec.partition(":")
+    found = {r["name"]: r["minutes"] for r in course_times.estimates(notebook_dir)[number]["regions"]}
+    if missing := [n for n in names.split(",") if n not in found]:
+        raise KeyError(f"region:{spec}: {missing} not among notebook {number}'s regions {sorted(found)}")
+    return str(sum(found[n] for n in names.split(",")))
+
+
 def value_of(key: str, notebook_dir: Path = NOTEBOOKS, timings_dir: Path = course_times.TIMINGS_DIR) -> str:
     """The text a marker's key stands for."""
     source, _, spec = key.partition(":")
     sources = {"est": lambda: estimate_value(spec, notebook_dir), "run": lambda: measured_value(spec, timings_dir),
-               "out": lambda: output_value(spec, notebook_dir), "committed": lambda: committed_value(spec, notebook_dir)}
+               "out": lambda: output_value(spec, notebook_dir), "committed": lambda: committed_value(spec, notebook_dir),
+               "region": lambda: region_value(spec, notebook_dir)}
     if source not in sources:
         raise KeyError(f"{key!r}: a key starts with one of {', '.join(s + ':' for s in sources)}")
     return sources[source]()
