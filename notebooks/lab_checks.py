@@ -305,3 +305,427 @@ def _compare_decoder(cls: type, g: torch.Generator) -> None:
     ids = torch.randint(0, c.vocab_size, (2, int(torch.randint(2, 33, (1,), generator=g))), generator=g)
     first_difference("the hidden states", _load(cls(c), library)(ids), library(ids)[0], 1e-4)
 
+
+# ======================================================================================================================
+# 01_tokenizer and 02_data: byte-level BPE, the loss masks, chunking, the memmap write, padding
+# ======================================================================================================================
+import functools  # noqa: E402  (this section's own imports: the chapters' sections stay apart)
+import json  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+from collections.abc import Mapping, Sequence  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+from minimind_lib import bpe  # noqa: E402
+from minimind_lib import corpus as C  # noqa: E402
+from minimind_lib import data as D  # noqa: E402
+from minimind_lib.tokenizer import load_tokenizer  # noqa: E402
+
+
+def _int(g: torch.Generator, low: int, high: int) -> int:
+    """An integer from low to high, both included."""
+    return int(torch.randint(low, high + 1, (1,), generator=g))
+
+
+def _text(g: torch.Generator, alphabet: str, max_chars: int) -> str:
+    """Up to max_chars characters of the alphabet (a small one: many ties and repeated pairs; Chinese and emoji give
+    characters of 3 and 4 bytes)."""
+    return "".join(alphabet[_int(g, 0, len(alphabet) - 1)] for _ in range(_int(g, 0, max_chars)))
+
+
+def first_item_difference(what: str, yours: Any, want: Sequence, where: Callable[[int], str] | None = None) -> None:
+    """Raise Different naming the first index where the list (or string) `yours` is not `want`; `where(i)` may add
+    what position i holds."""
+    kind = str if isinstance(want, str) else list
+    if not isinstance(yours, kind if kind is str else (list, tuple)):
+        raise Different(f"{what} is a {type(yours).__name__}; the library's is a {kind.__name__}.")
+    n = min(len(yours), len(want))
+    at = next((i for i in range(n) if yours[i] != want[i]), n)
+    if at == len(yours) == len(want):
+        return
+    shown = [repr(s[at]) if at < len(s) else "nothing (it ends before)" for s in (yours, want)]
+    count = (f"yours has {len(yours)} items, the library's {len(want)}" if len(yours) != len(want) else
+             f"{sum(a != b for a, b in zip(yours, want))} of {n} items differ")
+    raise Different(f"{what} differs first at index ({at},): yours {shown[0]}, the library's {shown[1]} ({count})"
+                    f"{where(at) if where else ''}.")
+
+
+# 01 get_stats, merge --------------------------------------------------------------------------------------------------
+def _stats_across_words(fn: Callable) -> str | None:
+    if fn([[1, 2], [3, 4]]).get((2, 3), 0):
+        return ("It counts a pair across two words (the last id of one word with the first of the next): pairs never "
+                "cross the end of a word.")
+    return None
+
+
+def _stats_overlap_once(fn: Callable) -> str | None:
+    if fn([[5, 5, 5]]).get((5, 5), 0) == 1:
+        return ("In the word [5, 5, 5] it counts the pair (5, 5) once: counting takes every pair of neighbours, "
+                "overlapping ones too (only merging skips them).")
+    return None
+
+
+@region("get_stats", "for each word on its own, count every pair of neighbouring ids, overlapping pairs too; no pair "
+        "joins the last id of one word to the first of the next.", fallback=lambda fn: bpe.get_stats,
+        probes=(_stats_across_words, _stats_overlap_once))
+def _compare_get_stats(fn: Callable, g: torch.Generator) -> None:
+    for n_ids in (2, 3, _pick(g, (5, 300))):  # 2 or 3 ids: repeated and overlapping pairs in every word
+        words = [[_int(g, 0, n_ids - 1) for _ in range(_int(g, 0, 12))] for _ in range(_int(g, 1, 20))]
+        yours, want = fn([list(w) for w in words]), bpe.get_stats(words)
+        if not isinstance(yours, Mapping):
+            raise Different(f"get_stats returns a {type(yours).__name__}; it should map each pair to its count.")
+        bad = [p for p in want if yours.get(p, 0) != want[p]] + [p for p in yours if p not in want and yours[p]]
+        if bad:
+            raise Different(f"the count of each pair in the words {words} differs first at index {bad[0]}: yours "
+                            f"{yours.get(bad[0], 0)}, the library's {want.get(bad[0], 0)} ({len(bad)} pairs differ).")
+
+
+def _merge_overlaps(fn: Callable) -> str | None:
+    out = fn([7, 7, 7], (7, 7), 9)
+    if out.count(9) == 2:
+        return ("In [7, 7, 7] it merges the overlapping pairs (7, 7) both, so the middle 7 is used twice: after a "
+                "merge the scan goes on after the pair's second id, giving [9, 7].")
+    if out == [7, 9]:
+        return "In [7, 7, 7] it merges the pair on the right: the scan goes left to right, giving [9, 7]."
+    return None
+
+
+def _merge_misses(fn: Callable) -> str | None:
+    if fn([1, 2, 3, 1, 2, 3], (1, 2), 9) == [9, 3, 1, 2, 3]:
+        return "It merges only the first occurrence of the pair: every occurrence is replaced."
+    if fn([3, 1, 2], (1, 2), 9) == [3, 1, 2]:
+        return "It misses the pair formed by the last two ids."
+    return None
+
+
+@region("merge", "scan the ids left to right: where the pair starts, write new_id and move past both of its ids; "
+        "anywhere else copy the id and move on by one.", fallback=lambda fn: bpe.merge,
+        probes=(_merge_overlaps, _merge_misses))
+def _compare_merge(fn: Callable, g: torch.Generator) -> None:
+    for _ in range(100):
+        n_ids = _pick(g, (2, 3, 5))  # few ids: the pair occurs, often overlapping ('aaa')
+        ids = [_int(g, 0, n_ids - 1) for _ in range(_int(g, 0, 16))]
+        pair, new_id = (_int(g, 0, n_ids - 1), _int(g, 0, n_ids - 1)), _int(g, 256, 999)
+        first_item_difference(f"merge({ids}, {pair}, {new_id})", fn(list(ids), pair, new_id),
+                              bpe.merge(ids, pair, new_id))
+
+
+# 01 train -------------------------------------------------------------------------------------------------------------
+TRAIN_ALPHABET = "ab 中😀\n"  # few characters: many pairs tie; multi-byte characters: merges inside a character
+
+
+def _train_tie_break(fn: Callable) -> str | None:
+    c, d, a, b = (bpe.BYTE_ID[ord(x)] for x in "cdab")
+    first = next(iter(fn(["cdab"], 257)[0]))  # three pairs, one each: the tie-break alone decides
+    if first == (c, d):
+        return ("Among pairs of the same count it took the one met first in the text (what Counter.most_common and "
+                "max over the counts do): ties go to the smallest pair of ids, as in tokenizers.")
+    if first == (d, a):
+        return "Among pairs of the same count it took the largest pair of ids: ties go to the smallest."
+    return None
+
+
+def _train_least_frequent_or_new_ids(fn: Callable) -> str | None:
+    a, b = bpe.BYTE_ID[ord("a")], bpe.BYTE_ID[ord("b")]
+    merges = dict(fn(["aaab"], 257)[0])  # 'aa' twice, 'ab' once
+    if list(merges) == [(a, b)]:
+        return "It merged the least frequent pair: each merge takes the most frequent one."
+    if list(merges) == [(a, a)] and list(merges.values()) != [256]:
+        return (f"Its first new token has id {list(merges.values())[0]}: new ids follow the 256 byte tokens, each the "
+                "next free id (the vocabulary's length).")
+    return None
+
+
+@region("train", "start from every text's byte ids; while the vocabulary is smaller than vocab_size: count the pairs, "
+        "take the most frequent (ties: the smallest pair of ids), give it the next free id, add its bytes to the "
+        "vocabulary, merge it in every word; stop early when no pair is left.", fallback=lambda fn: bpe.train,
+        probes=(_train_tie_break, _train_least_frequent_or_new_ids))
+def _compare_train(fn: Callable, g: torch.Generator) -> None:
+    for _ in range(3):
+        texts = [_text(g, TRAIN_ALPHABET, 30) for _ in range(_int(g, 1, 6))]
+        vocab_size = 256 + _int(g, 5, 40)
+        yours, (merges, vocab) = fn(list(texts), vocab_size), bpe.train(texts, vocab_size)
+        if not (isinstance(yours, tuple) and len(yours) == 2):
+            raise Different(f"train returns a {type(yours).__name__}; it should return (merges, vocab).")
+        call = f"train({texts!r}, {vocab_size})"
+        first_item_difference(f"the merges of {call}, in the order learned,", list(dict(yours[0]).items()),
+                              list(merges.items()))
+        first_item_difference(f"the vocabulary of {call}", list(yours[1]), vocab)
+
+
+# 01 encode, decode ----------------------------------------------------------------------------------------------------
+def _encode_order(fn: Callable) -> str | None:
+    a, b, c = (bpe.BYTE_ID[ord(x)] for x in "abc")
+    if fn("aaaa", {(a, a): 256, (256, 256): 257}) == [256, 256]:
+        return "It stops after one pass: a merge can form a pair that is itself a later merge ('aa' + 'aa' here)."
+    if fn("abc", {(a, b): 256, (b, c): 257}) == [a, 257]:
+        return ("It applied the merge learned last first: the merges are replayed in the order learned (of the pairs "
+                "present, the one with the smallest new id first).")
+    if fn("abcbc", {(a, b): 256, (b, c): 257}) == [a, 257, 257]:
+        return ("It merged the text's most frequent pair first, training's rule: encoding replays the merges in the "
+                "order learned.")
+    return None
+
+
+@region("encode", "start from the text's byte ids; again and again merge the adjacent pair that was learned first "
+        "(of the pairs present, the one with the smallest new id), until no adjacent pair is a merge.",
+        fallback=lambda fn: bpe.encode, probes=(_encode_order,))
+def _compare_encode(fn: Callable, g: torch.Generator) -> None:
+    small = [_text(g, "ab \n", 30) for _ in range(_int(g, 2, 6))]  # few characters: merges that overlap
+    wide = [_text(g, TRAIN_ALPHABET, 30) for _ in range(_int(g, 2, 6))]  # merges inside 3- and 4-byte characters
+    x, y, z = (chr(ord("a") + int(i)) for i in torch.randperm(8, generator=g)[:3])
+    cases = [(small, 256 + _int(g, 10, 40), [_text(g, "abc \n", 40) for _ in range(30)]),  # 'c': never learned
+             (wide, 256 + _int(g, 10, 40), [_text(g, TRAIN_ALPHABET + "é", 30) for _ in range(10)]),
+             ([x + y] * 3 + [y + z] * 2, 258, [x + y + z + y + z]),  # x+y learned first, y+z second: order matters
+             ([x * 4], 258, [x * 4])]  # x+x, then (x+x)+(x+x): a merge forms the pair of a later one
+    for texts, vocab_size, encoded in cases:
+        merges = bpe.train(texts, vocab_size)[0]
+        for text in encoded:
+            first_item_difference(f"encode({text!r}, merges) with the merges of train({texts!r}, {vocab_size})",
+                                  fn(text, dict(merges)), bpe.encode(text, merges))
+
+
+def _decode_token_by_token(fn: Callable) -> str | None:
+    if fn([bpe.BYTE_ID[b] for b in "中".encode()], [bytes([b]) for b in bpe.BYTE_ORDER]) == "\ufffd" * 3:
+        return ("It decodes token by token: a character whose bytes are split over tokens (the three bytes of '中' "
+                "here) comes out as U+FFFD, once per piece.")
+    return None
+
+
+@region("decode", "join the tokens' bytes first, then decode them once as UTF-8, with bytes that are not a whole "
+        "character becoming U+FFFD.", fallback=lambda fn: bpe.decode, probes=(_decode_token_by_token,))
+def _compare_decode(fn: Callable, g: torch.Generator) -> None:
+    texts = [_text(g, TRAIN_ALPHABET + "é", 30) for _ in range(_int(g, 2, 6))]
+    merges, vocab = bpe.train(texts, 256 + _int(g, 5, 40))
+    for k in range(30):  # random ids (bytes that are pieces of characters), a text's bytes, a text's tokens
+        text = _text(g, TRAIN_ALPHABET + "é文", 12)
+        ids = ([_int(g, 0, len(vocab) - 1) for _ in range(_int(g, 0, 8))] if k % 3 == 0 else
+               [bpe.BYTE_ID[b] for b in text.encode()] if k % 3 == 1 else bpe.encode(text, merges))
+        call = f"decode({ids}, vocab) with the vocabulary of train({texts!r}, ...)"
+        try:
+            yours = fn(list(ids), list(vocab))
+        except UnicodeDecodeError as e:
+            raise Different(f"{call} raised UnicodeDecodeError ({e.reason}): bytes that are not whole UTF-8 "
+                            "characters decode to U+FFFD, they do not stop decoding.") from None
+        first_item_difference(call, yours, bpe.decode(ids, vocab))
+
+
+# 02 the SFT loss mask -------------------------------------------------------------------------------------------------
+WORDS = ("To", " be", ",", " or", " not", " the", " question", ".", "\n", " 123", "床", "前", "明月", "光", "，", "。",
+         "疑是", "地上", "霜", "😀", "?", " assistant", "user")
+
+
+@functools.cache
+def _tokenizer() -> Any:
+    """The course's 6400-token tokenizer, the one 02 loads (loaded once)."""
+    return load_tokenizer()
+
+
+def _words(g: torch.Generator, low: int, high: int) -> str:
+    """A random text of low to high pieces of English and Chinese (never starting with a space: a valid record)."""
+    return "".join(WORDS[_int(g, 0, len(WORDS) - 1)] for _ in range(_int(g, low, high))).lstrip() or "光"
+
+
+def _conversation(g: torch.Generator) -> list[dict]:
+    """A random chat: a system turn or not, one to three exchanges, sometimes ending on the user's turn."""
+    turns = [{"role": "system", "content": _words(g, 1, 6)}] if _int(g, 0, 2) == 0 else []
+    for _ in range(_int(g, 1, 3)):
+        turns += [{"role": "user", "content": _words(g, 1, 8)}, {"role": "assistant", "content": _words(g, 1, 8)}]
+    return turns + ([{"role": "user", "content": _words(g, 1, 4)}] if _int(g, 0, 3) == 0 else [])
+
+
+def _ints(yours: Any, what: str) -> list[int]:
+    try:
+        return [int(v) for v in yours]
+    except TypeError:
+        raise Different(f"{what} is a {type(yours).__name__}, not a list of numbers.") from None
+
+
+def _library_assistant_mask(ids: Sequence[int]) -> list[int]:
+    """minimind_lib's assistant mask (corpus.assistant_mask) of ids, as a list: 1 where trained."""
+    return C.assistant_mask(_tokenizer(), ids).tolist()
+
+
+FIXED_CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Who wrote Hamlet?"},
+              {"role": "assistant", "content": "Shakespeare."}, {"role": "user", "content": "床前明月光"},
+              {"role": "assistant", "content": "疑是地上霜。"}]
+
+
+def _mask_mistake(fn: Callable) -> str | None:
+    tok = _tokenizer()
+    ids, want = (a.tolist() for a in C.encode_sft(tok, FIXED_CHAT))
+    yours, n = _ints(fn(list(ids)), "the mask"), len(ids)
+    if yours == want[1:] + [0] or yours == [0] + want[:-1]:
+        return (f"It is the library's mask moved one position {'earlier' if yours == want[1:] + [0] else 'later'}: "
+                "the mask is aligned with ids (1 where the token itself is trained); the model does the shift.")
+    header = list(tok.encode("assistant\n", add_special_tokens=False))
+    at_header = {i + k for i in range(n) if ids[i] == tok.bos_token_id and ids[i + 1:i + 1 + len(header)] == header
+                 for k in range(len(header) + 1)}
+    ends = [i for i in range(n) if want[i] and ids[i] == tok.eos_token_id]
+    if any(yours[i] for i in at_header):
+        return "It trains (part of) the header <|im_start|>assistant\\n: training starts with the token after it."
+    if any(yours[i] for i in range(n) if not want[i] and i not in at_header):
+        return "It trains tokens of the system or user turns (the prompt): only what the assistant says is trained."
+    if any(not yours[i] for i in ends):
+        return "It leaves the <|im_end|> that closes a reply untrained: the model would never learn to stop."
+    if any(not yours[i + 1] for i in ends if i + 1 < n):
+        return "It leaves the newline after a reply's <|im_end|> untrained: MiniMind-3 trains it."
+    return None
+
+
+@region("assistant_mask", "find each <|im_start|> followed by the ids of 'assistant\\n'; mark 1 from the token after "
+        "that header up to and including the next <|im_end|> and the newline after it; 0 everywhere else. The mask "
+        "lines up with ids: the model does the shift.", fallback=lambda fn: _library_assistant_mask,
+        probes=(_mask_mistake,))
+def _compare_assistant_mask(fn: Callable, g: torch.Generator) -> None:
+    tok = _tokenizer()
+    for _ in range(20):
+        ids, want = (a.tolist() for a in C.encode_sft(tok, _conversation(g)))
+        first_item_difference(f"the mask of the conversation {tok.decode(ids)!r}", _ints(fn(list(ids)), "the mask"),
+                              want, where=lambda i: f"; position {i} holds {tok.decode([ids[i]])!r}")
+
+
+# 02 chunking long documents -------------------------------------------------------------------------------------------
+def _library_chunk_rows(ids: Sequence[int], seq_len: int) -> list:
+    """minimind_lib's chunk rows (data._TokenDataset._row_index): seq_len tokens each, every seq_len - 1 tokens."""
+    stride = seq_len - 1
+    return [ids[k * stride:k * stride + seq_len] for k in range(max(1, -(-(len(ids) - 1) // stride)))]
+
+
+def _rows_mistake(fn: Callable) -> str | None:
+    rows = [list(r) for r in fn(list(range(10)), 4)]
+    if len(rows) > 1 and rows[1][0] != rows[0][-1]:
+        return ("Its rows do not overlap: the first token of a row is never a target inside that row, so one target "
+                "is lost at every boundary; each row starts on the last token of the row before.")
+    if any(len(r) == 1 for r in fn(list(range(7)), 4)):
+        return "It ends with a row of one token, which has no next token to train: rows stop once every target is in."
+    return None
+
+
+@region("chunk_rows", "rows of (up to) seq_len tokens, each starting seq_len - 1 tokens after the one before, so that "
+        "consecutive rows share one token; no more rows once every next-token target is in one; a document of one "
+        "token is one row.", fallback=lambda fn: _library_chunk_rows, probes=(_rows_mistake,))
+def _compare_chunk_rows(fn: Callable, g: torch.Generator) -> None:
+    tok, texts = _tokenizer(), [_words(g, 1, 30) for _ in range(12)]
+    lengths = [len(C.encode_pretrain(tok, t)) for t in texts]
+    # a seq_len that some document longer than it fills exactly, rows and all: where a single-token last row shows
+    fits = tuple(s for s in range(3, 17) if any(n > s and (n - 1) % (s - 1) == 0 for n in lengths))
+    seq_len = _pick(g, fits) if fits else _int(g, 3, 16)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "documents.jsonl"
+        path.write_text("".join(json.dumps({"text": t}, ensure_ascii=False) + "\n" for t in texts), encoding="utf-8")
+        library = D.PretrainDataset(path, tok, seq_len, long_docs="chunk")
+        docs = [library.raw(d)[0].tolist() for d in range(library.n_documents())]
+        want = [library[i]["input_ids"].tolist() for i in range(len(library))]
+    yours, whose = [], []
+    for d, doc in enumerate(docs):
+        rows = [_ints(r, "a row") for r in fn(list(doc), seq_len)]
+        yours, whose = yours + rows, whose + [f"row {j} of document {d}, {doc}" for j in range(len(rows))]
+    first_item_difference(f"the rows of {len(docs)} random documents at seq_len={seq_len}, one document after "
+                          "another,", yours, want, where=lambda k: f"; your row {k} is {whose[k]}" if k < len(whose)
+                          else "")
+
+
+# 02 the memmap write --------------------------------------------------------------------------------------------------
+def _library_write_tokens(samples: Sequence, path: str | os.PathLike) -> np.ndarray:
+    """What minimind_lib's tokenize_to_memmap writes for tokenized samples: the ids back to back as uint16 in `path`;
+    returns the n + 1 int64 offsets (its .idx.npy)."""
+    np.concatenate([np.zeros(0, np.int64), *samples]).astype(np.uint16).tofile(path)
+    return np.concatenate([[0], np.cumsum([len(s) for s in samples])]).astype(np.int64)
+
+
+def _memmap_mistake(fn: Callable) -> str | None:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "probe.bin"
+        offsets = np.asarray(fn([np.array([1, 300, 6399, 2]), np.array([1, 2])], path)).tolist()
+        per_token = os.path.getsize(path) / 6
+    named = {(0, 8, 12): "The offsets count bytes; the reader slices an array of tokens, so they count tokens.",
+             (4, 6): "The offsets miss the leading 0: n + 1 of them, from 0 (where the first sample starts) to the "
+                     "total.",
+             (4, 2): "It returns each sample's length: the offsets are where each sample starts, a running total from "
+                     "0."}
+    if tuple(offsets) in named:
+        return named[tuple(offsets)]
+    if per_token != 2:
+        dtype = {8: " (int64, the arrays' own dtype)", 4: " (int32 or float32)", 1: " (uint8: ids above 255 wrap)"}
+        return (f"It writes {per_token:g} bytes per token{dtype.get(per_token, '')}: the token file holds 2-byte "
+                "unsigned integers (uint16), which is what the reader reads.")
+    return None
+
+
+@region("write_tokens", "all samples' ids back to back into the file, each as a 2-byte unsigned integer; return "
+        "where each sample starts, counted in tokens: n + 1 numbers from 0 to the total.",
+        fallback=lambda fn: _library_write_tokens, probes=(_memmap_mistake,))
+def _compare_write_tokens(fn: Callable, g: torch.Generator) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        (tmp / "documents.jsonl").write_text("".join(json.dumps({"text": _words(g, 1, 40)}, ensure_ascii=False) + "\n"
+                                                     for _ in range(_int(g, 1, 12))), encoding="utf-8")
+        C.tokenize_to_memmap(tmp / "documents.jsonl", _tokenizer(), tmp / "library", num_workers=0, progress=False)
+        library = D.MemmapDataset(tmp / "library", seq_len=2)
+        docs = [np.array(library.raw(d)[0], dtype=np.int64) for d in range(library.n_documents())]
+        del library  # its memmap: the folder is removed below
+        offsets = fn(list(docs), tmp / "yours.bin")
+        if offsets is None:
+            raise Different("write_tokens returned None: it should return the n + 1 offsets where the samples start.")
+        offsets = np.asarray(offsets).astype(np.int64)
+        first_difference("the offsets", torch.from_numpy(offsets), torch.from_numpy(np.load(tmp / "library.idx.npy")),
+                         0.0)
+        if (size := os.path.getsize(tmp / "yours.bin")) % 2:
+            raise Different(f"your file has {size} bytes, an odd number: the reader reads 2 bytes per token.")
+        np.save(tmp / "yours.idx.npy", offsets)  # your file and offsets beside the library's metadata: its reader
+        shutil.copy(tmp / "library.json", tmp / "yours.json")
+        yours = D.MemmapDataset(tmp / "yours", seq_len=2)
+        for d, doc in enumerate(docs):
+            first_difference(f"document {d} ({len(doc)} tokens) as the library's reader reads it from your file",
+                             torch.from_numpy(np.array(yours.raw(d)[0], dtype=np.int64)), torch.from_numpy(doc), 0.0)
+        del yours
+        if size != (want := os.path.getsize(tmp / "library.bin")):
+            raise Different(f"your file has {size} bytes; the library's has {want} (2 per token, nothing else).")
+
+
+# 02 padding -----------------------------------------------------------------------------------------------------------
+def _pad_batch_by_library(samples: Sequence[dict], pad_id: int, seq_len: int | None = None,
+                          fixed: bool = False) -> dict[str, torch.Tensor]:
+    """minimind_lib's collator (data.pad_collate), called as the chapter's pad_batch."""
+    return D.pad_collate(samples, pad_id, seq_len, fixed)
+
+
+def _padding_mistake(fn: Callable) -> str | None:
+    rows = [torch.tensor([5, 6]), torch.tensor([7, 8, 9, 10])]
+    batch = fn([{"input_ids": r, "labels": r.clone()} for r in rows], 3, None, False)
+    if int(batch["labels"][0, 2]) == 3:
+        return "Pad positions get the label pad_id instead of -100: the loss would train the model to predict padding."
+    if int(batch["attention_mask"][0, 2]) == 1:
+        return "The attention_mask is 1 on pad positions: 1 marks the real tokens only."
+    if int(batch["input_ids"][0, 0]) == 3:
+        return "It pads on the left: each row starts at position 0 and its pads follow it."
+    return None
+
+
+@region("pad_batch", "cut each row to seq_len; the width is seq_len (fixed) or the longest row; start from input_ids "
+        "all pad_id, labels all -100 and attention_mask all 0, then put each row's ids, labels and ones at its "
+        "start.", fallback=lambda fn: _pad_batch_by_library, probes=(_padding_mistake,))
+def _compare_pad_batch(fn: Callable, g: torch.Generator) -> None:
+    seq_len, pad_id = _int(g, 4, 24), _pick(g, (0, 3, 6399))
+    for kind in ("pretrain", "sft"):
+        samples = []
+        for k in range(_int(g, 2, 6)):  # the first row shorter than seq_len and the longest: it is always padded
+            ids = torch.randint(0, 6400, (_int(g, 1, seq_len - 1) if k == 0 else _int(g, seq_len, 2 * seq_len),),
+                                generator=g)
+            labels = ids.clone()
+            if kind == "sft":  # untrained positions of a conversation
+                labels[torch.rand(len(ids), generator=g) < 0.5] = D.IGNORE_INDEX
+            samples.append({"input_ids": ids, "labels": labels})
+        for width, fixed in ((seq_len, True), (seq_len, False), (None, False)):
+            yours, want = fn(list(samples), pad_id, width, fixed), D.pad_collate(samples, pad_id, width, fixed)
+            how = f"to seq_len={width}" if fixed else "to the longest row" + (f", cut at {width}" if width else "")
+            for key in want:
+                if not isinstance(yours, Mapping) or key not in yours:
+                    raise Different(f"the batch has no {key!r}: pad_batch returns input_ids, labels and "
+                                    "attention_mask.")
+                first_difference(f"{key} of {len(samples)} {kind} rows of lengths "
+                                 f"{[len(s['input_ids']) for s in samples]} padded {how} with pad_id={pad_id}",
+                                 yours[key], want[key], 0.0)
