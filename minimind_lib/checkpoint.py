@@ -26,8 +26,6 @@ from .fileio import PREFIX, TMP_PREFIX, atomic_open, atomic_write_text
 from .model import MiniMindConfig, MiniMindForCausalLM
 from .tokenizer import CONFIG_FILE as TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, check_vocab, load_tokenizer
 
-FORMAT, VERSION = "minimind-train-state", 1
-
 
 # ----------------------------------------------------------------------------------- model weights (notebook 03)
 # A checkpoint is untrusted input: weights_only=True, never arbitrary unpickling.
@@ -112,6 +110,7 @@ def load_checkpoint(path, model: nn.Module | None = None, map_location="cpu") ->
 
 
 # ----------------------------------------------------------------------------------- the training state (notebook 04)
+FORMAT, VERSION = "minimind-train-state", 1
 
 
 def get_rng_state() -> dict:

@@ -1,4 +1,4 @@
-"""The command line of notebooks 07_pretrain and 08_sft: `python -m minimind_lib info|pretrain|sft|chat ...`.
+"""The command line of notebooks 07_pretrain and 08_sft: `python -m minimind_lib info|pretrain|sft|chat|compare|eval`.
 
 It calls the same functions as the notebooks (pipeline.pretrain/sft, checkpoint.load_run, generate.chat): no copy
 of their logic; `--help` on each command lists its options. Every bad input (a zero or negative size, missing or
@@ -20,6 +20,7 @@ import torch
 
 from .checkpoint import load_run
 from .device import device_report
+from .evaluate import compare_run, describe_ladder, evaluate_model
 from .export import DTYPES, export_run, import_hf
 from .generate import chat
 from .model import PRESETS
@@ -142,8 +143,21 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_health(args: argparse.Namespace) -> int:
+    """`compare`: a run's verdict against its band (exit 1: above or diverged); `eval`: the evaluation ladder."""
+    if args.command == "compare":
+        r = compare_run(args.path)
+        text = "\n".join([r["summary"], *(f"  {f['cause']}: {f['evidence']}" for f in r["findings"]),
+                          *(f"  note: {n}" for n in r["notes"])])
+    else:
+        r = evaluate_model(args.path, args.data, args.seq_len, replies=args.replies)
+        text = describe_ladder(r)
+    print(json.dumps(r, indent=2, ensure_ascii=False, default=str) if args.json else text)
+    return r.get("exit_code", 0)
+
+
 def add_subcommands(subparsers) -> None:
-    """Register info, pretrain, sft, chat, export and import-hf on an argparse subparsers object."""
+    """Register info, pretrain, sft, chat, export, import-hf, compare and eval on an argparse subparsers object."""
     i = subparsers.add_parser("info", help="print device and profile facts as JSON")
     i.add_argument("--profile", default=None, help="profile name (default: MINIMIND_PROFILE or auto)")
     i.add_argument("--compact", action="store_true", help="one-line JSON")
@@ -174,6 +188,17 @@ def add_subcommands(subparsers) -> None:
         parser.add_argument("--overwrite", action="store_true", help=f"replace {what}")
         parser.add_argument("--allow-other-files", action="store_true", help="write beside files it did not write")
         parser.set_defaults(func=cmd_export)
+    m = subparsers.add_parser("compare", help="is a run healthy? its validation loss against its profile's band")
+    v = subparsers.add_parser("eval", help="what did a model learn? the evaluation ladder on held-out data")
+    v.add_argument("--data", default=None, help="a {'text'} jsonl for the held-out text, or a {'conversations'} "
+                   "jsonl for the held-out conversations (default: the run's held-out data)")
+    v.add_argument("--seq-len", type=POSITIVE, default=None, help="context in tokens (default: the run's seq_len)")
+    v.add_argument("--replies", type=POSITIVE, default=100, help="greedy replies after SFT, at most (default 100)")
+    for parser, what in ((m, "a run directory (config.json, metrics.csv)"),
+                         (v, "a run directory, or a transformers directory written by export")):
+        parser.add_argument("path", help=what)
+        parser.add_argument("--json", action="store_true", help="print one JSON object")
+        parser.set_defaults(func=cmd_health)
 
 
 def build_parser() -> argparse.ArgumentParser:

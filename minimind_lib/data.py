@@ -250,11 +250,15 @@ def memmap_dataset(path: Path, tok: Any, kind: str, seq_len: int, cache_dir: Pat
     return ds, info
 
 
+def holdout_indices(n: int, seed: int) -> tuple[list[int], list[int]]:
+    """(train, held out) indices of n samples: a fixed 5% drawn by seed (SFT's validation set), each sorted."""
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+    return sorted(order[max(1, n // 20):]), sorted(order[:max(1, n // 20)])
+
+
 def holdout_split(ds: Any, seed: int) -> tuple[Subset, Subset]:
-    """(train, held out): a fixed 5% of the conversations drawn by seed (SFT's validation set), with lengths, stats."""
-    n_val = max(1, len(ds) // 20)
-    order = torch.randperm(len(ds), generator=torch.Generator().manual_seed(seed)).tolist()
-    parts = (Subset(ds, sorted(order[n_val:])), Subset(ds, sorted(order[:n_val])))
+    """(train, held out): holdout_indices of a dataset, as Subsets with their lengths and stats."""
+    parts = tuple(Subset(ds, part) for part in holdout_indices(len(ds), seed))
     for part in parts:
         part.lengths, part.stats = ds.lengths[part.indices], ds.stats
     return parts

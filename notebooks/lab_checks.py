@@ -306,6 +306,65 @@ def _compare_decoder(cls: type, g: torch.Generator) -> None:
     first_difference("the hidden states", _load(cls(c), library)(ids), library(ids)[0], 1e-4)
 
 
+# 03 initialisation ----------------------------------------------------------------------------------------------------
+WEIGHT_KINDS = ("embed_tokens", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _initialised(fn: Callable, g: torch.Generator) -> torch.nn.Module:
+    """A library model of random size with PyTorch's defaults, as the chapter's model starts (Linear uniform, the tied
+    embedding N(0, 1)), after model.apply(fn)."""
+    model = mm.MiniMindForCausalLM(_config(g, layers=_pick(g, (2, 3))))
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            module.reset_parameters()
+    model.model.embed_tokens.reset_parameters()  # last: the head is this matrix, and the embedding's default wins
+    return model.apply(fn)
+
+
+def _init_mistake(fn: Callable) -> str | None:
+    big, norm = torch.nn.Linear(1024, 1024, bias=False), mm.RMSNorm(64)  # a million draws: the statistics are sharp
+    fn(big)
+    fn(norm)
+    mean, std = big.weight.mean().item(), big.weight.std().item()
+    if abs(mean - 0.02) < 0.005 and abs(std - 1) < 0.05:
+        return ("The weights have mean 0.02 and standard deviation 1: the second positional argument of "
+                "torch.nn.init.normal_ is the mean; name the keyword arguments.")
+    if abs(std - 0.02 ** 0.5) < 0.005:
+        return "The standard deviation is the square root of 0.02: 0.02 is the standard deviation, not the variance."
+    if 0.01 < std and big.weight.abs().max().item() <= 0.0201:
+        return "The weights are uniform in [-0.02, 0.02]: the library draws them from a normal distribution."
+    if not torch.equal(norm.weight, torch.ones(64)):
+        return "It draws the RMSNorm gains too: they start at 1 (a norm that first scales by 1)."
+    return None
+
+
+@region("init_weights", "when the module is an nn.Linear or an nn.Embedding, draw its weight in place from a normal "
+        "distribution of mean 0 and standard deviation 0.02 (torch.nn.init has the function: name its keyword "
+        "arguments); do nothing to any other module.", fallback=lambda fn: mm.MiniMindForCausalLM._init_weights,
+        probes=(_init_mistake,))
+def _compare_init_weights(fn: Callable, g: torch.Generator) -> None:
+    model = _initialised(fn, g)
+    if model.lm_head.weight is not model.model.embed_tokens.weight:
+        raise Different("lm_head.weight is no longer model.embed_tokens.weight: the tie is broken (a new Parameter "
+                        "replaced the shared one); draw into the existing weight, in place.")
+    kinds = {kind: torch.cat([p.flatten() for n, p in model.named_parameters() if f".{kind}." in n])
+             for kind in WEIGHT_KINDS}
+    what = f"of each kind of weight ({', '.join(kinds)}; {sum(w.numel() for w in kinds.values())} draws)"
+    first_difference(f"the standard deviation {what}", torch.stack([w.std() for w in kinds.values()]),
+                     torch.full((len(kinds),), 0.02), 0.003)  # +-15%: above 6 standard errors for these sizes
+    first_difference(f"the mean {what}", torch.stack([w.mean() for w in kinds.values()]), torch.zeros(len(kinds)),
+                     0.003)
+    z = torch.cat(list(kinds.values()))
+    z = (z - z.mean()) / z.std()
+    first_difference("the kurtosis of all the weights together (3 for a normal distribution)", z.pow(4).mean()[None],
+                     torch.tensor([3.0]), 0.1)  # +-0.4; a uniform distribution has 1.8
+    gains = torch.cat([p.flatten() for n, p in model.named_parameters() if "norm" in n])
+    first_difference("the RMSNorm gains, every norm together", gains, torch.ones_like(gains), 0.0)
+    c = model.config
+    first_difference("the RoPE table freqs_cos (a buffer, not a weight)", model.model.freqs_cos,
+                     mm.precompute_freqs_cis(c.head_dim, c.max_position_embeddings, c.rope_theta)[0], 0.0)
+
+
 # ======================================================================================================================
 # 01_tokenizer and 02_data: byte-level BPE, the loss masks, chunking, the memmap write, padding
 # ======================================================================================================================

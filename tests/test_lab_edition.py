@@ -199,6 +199,12 @@ PLANTED = [
      r"neighbouring dimensions"),
     ("03_model", "Attention.forward", ATTENTION_WITHOUT_MASK, r"causal mask"),
     ("03_model", "repeat_kv", "return x.repeat(1, 1, n_rep, 1)", r"h // n_rep"),
+    ("03_model", "init_weights", with_mistake("03_model", "init_weights", "module.weight, mean=0.0, std=0.02",
+                                              "module.weight, 0.02"),  # positional: the mean, and std 1
+     r"mean 0.02 and standard deviation 1"),
+    ("03_model", "init_weights", with_mistake("03_model", "init_weights", "isinstance(module, (nn.Linear, "
+                                              "nn.Embedding))", "hasattr(module, 'weight')"),  # gains drawn too
+     r"draws the RMSNorm gains too"),
     ("06_dynamic_batching", "fill_batches", FILL_BY_REAL_TOKENS, r"counts the real tokens of the rows"),
     ("06_dynamic_batching", "fill_batches", with_mistake("06_dynamic_batching", "fill_batches",
                                                          "(len(batch) + 1) * max(longest, n)", "(len(batch) + 1) * n"),
@@ -233,8 +239,8 @@ def test_a_planted_mistake_is_caught_and_named(chapter_name, name, body, names_i
 def test_a_stub_says_not_written_and_the_notebook_goes_on(capsys, monkeypatch):
     """Region by region, a stub's check prints the not-written line with a hint and returns a working version."""
     monkeypatch.setenv("MINIMIND_PROFILE", "smoke")
-    run_chapter_until_check(NB_DIR / "03_model.ipynb", "Decoder.forward", None)  # the chapter: every check passes
     regions = handout.notebook_regions(chapter(NB_DIR / "03_model.ipynb"))
+    run_chapter_until_check(NB_DIR / "03_model.ipynb", regions[-1].name, None)  # the chapter: every check passes
     assert capsys.readouterr().out.count(": passed (equal to minimind_lib's") == len(regions)
     stub = "raise NotImplementedError()"
     run_chapter_until_check(NB_DIR / "03_model.ipynb", "RMSNorm.forward", stub)

@@ -1,10 +1,11 @@
 """The library stays small enough to read in an evening: budgets on lines, modules and functions, counted here.
 
-minimind_lib is the tidied code of the notebooks, not a framework: at most 4,500 lines in all, no module over 500,
+minimind_lib is the tidied code of the notebooks, not a framework: at most 4,900 lines in all, no module over 500,
 no function or method over 80, and every module says which notebook builds it. (The total was 4,000 for MiniMind2
 alone; MiniMind-3's model, template and tool data, its MoE, the export to the transformers format and the run
-directory's locks, fingerprints and signal handling are what the rest pays for.) The benchmarks live beside it, in
-benchmarks/, and neither the library nor a notebook imports them.
+directory's locks, fingerprints and signal handling brought it to 4,500; the last 400 are for evaluation and run
+health: reference bands, the divergence doctor and the evaluation ladder of notebooks 07 and 08.) The benchmarks live
+beside it, in benchmarks/, and neither the library nor a notebook imports them.
 """
 
 import ast
@@ -17,14 +18,14 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 LIB = ROOT / "minimind_lib"
 MODULES = sorted(LIB.rglob("*.py"))
-MAX_TOTAL_LINES, MAX_MODULE_LINES, MAX_FUNCTION_LINES = 4500, 500, 80
+MAX_TOTAL_LINES, MAX_MODULE_LINES, MAX_FUNCTION_LINES = 4900, 500, 80
 
 
 def n_lines(path: Path) -> int:
     return len(path.read_text(encoding="utf-8").splitlines())
 
 
-def test_the_library_is_at_most_4500_lines():
+def test_the_library_is_at_most_4900_lines():
     sizes = {p.relative_to(ROOT).as_posix(): n_lines(p) for p in MODULES}
     assert sum(sizes.values()) <= MAX_TOTAL_LINES, sorted(sizes.items(), key=lambda kv: -kv[1])
 

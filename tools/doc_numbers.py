@@ -4,7 +4,9 @@ A number in docs/teaching.md, docs/answers.md or README.md that comes from a tab
 between markers, `<!--n:KEY-->VALUE<!--/n-->` (invisible once rendered), and this script rewrites VALUE from KEY:
 
     est:COLUMN:NOTEBOOKS[<=LIMIT]  a sum of the guide's estimates table (tools/course_times.py): COLUMN is reading,
-                                   exercises, total (minutes) or hours; NOTEBOOKS is `all`, `04-06` or `07,08`;
+                                   exercises, total (minutes; without optional parts), optional (the optional parts'
+                                   reading), lab (minutes to write the lab edition's regions), regions (how many)
+                                   or hours; NOTEBOOKS is `all`, `04-06` or `07,08`;
                                    terms add up (`total:07,08+exercises:09`). With <=LIMIT the minutes must fit in
                                    LIMIT (a plan's session), or this fails and names the session.
     run:PROFILE:NOTEBOOKS          minutes measured in that profile (docs/timings/PROFILE.json), summed
@@ -38,6 +40,10 @@ DOCS = (REPO / "docs" / "teaching.md", REPO / "docs" / "answers.md", REPO / "REA
 OUTPUTS: dict[str, tuple[str, str, str | None]] = {
     "01.held_out_bytes_per_token": ("01", r"held-out slice: [\d,]+ bytes -> [\d,]+ tokens, ([\d.]+) bytes per token",
                                     None),
+    "03.init_loss_defaults": ("03", r"\nPyTorch defaults +([\d.]+) ", None),
+    "03.init_loss_init_weights": ("03", r"\ninit_weights +([\d.]+) ", None),
+    "03.mm3_fp32_peak": ("03", r"\noff +([\d.]+) +[\d.]+ +[\d.]+ +True", None),
+    "03.mm3_fp32_activations": ("03", r"\noff +[\d.]+ +[\d.]+ +([\d.]+) +True", None),
     "07.amp": ("07", r'"amp": "(\w+)"', None),
     "07.tokens": ("07", r'"tokens": (\d+)', "{:,.0f}"),
     "07.steps": ("07", r'"steps": (\d+)', None),
@@ -130,7 +136,8 @@ def estimate_value(spec: str, notebook_dir: Path = NOTEBOOKS) -> str:
     terms, _, limit = spec.partition("<=")
     table = course_times.estimates(notebook_dir)
     columns = {"reading": lambda r: r["reading"], "exercises": lambda r: r["exercise_minutes"],
-               "total": lambda r: r["reading"] + r["exercise_minutes"]}
+               "total": lambda r: r["reading"] + r["exercise_minutes"], "optional": lambda r: r["optional"],
+               "lab": lambda r: r["lab_minutes"], "regions": lambda r: len(r["regions"])}
     minutes = 0
     for term in terms.split("+"):
         column, _, chosen = term.partition(":")

@@ -1,0 +1,148 @@
+"""Make a profile's reference band from real runs: `python tools/make_reference.py PROFILE [--seeds 5]`.
+
+Runs the profile's pretraining and then its SFT (through minimind_lib.pipeline, as `python -m minimind_lib pretrain`
+and `sft` do) once per seed, and writes minimind_lib/assets/bands/PROFILE.json: for each stage, the validation loss of
+every seed against trained tokens, its quantiles on a common token grid, and the 95% prediction interval for one more
+seed (mean +- t * sd * sqrt(1 + 1/n), n seeds) that `compare` and notebooks 07/08 judge a run against. The file records
+the seeds, the dtype, the torch threads, the device and CPU, torch's version, the date and this command. The runs go
+to a temporary folder (or --work DIR, which must not exist yet), removed at the end unless --keep.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from minimind_lib import pipeline
+from minimind_lib.device import device_name
+from minimind_lib.evaluate import BAND_FORMAT, BAND_VERSION, BANDS_DIR, comparable, final_gap, grad_spikes
+from minimind_lib.fileio import atomic_write_text
+from minimind_lib.profiles import PROFILES, get_profile
+
+QUANTILES = (0.0, 0.25, 0.5, 0.75, 1.0)  # drawn as the band (0.5: the median seed); judged: the prediction interval
+
+
+def t_quantile(p: float, dof: int) -> float:
+    """The p-quantile (p > 0.5) of Student's t with `dof` degrees of freedom: bisection on its integrated density."""
+    log_c = math.lgamma((dof + 1) / 2) - math.lgamma(dof / 2) - 0.5 * math.log(dof * math.pi)
+    def cdf(x: float) -> float:
+        xs = np.linspace(0.0, x, 20001)
+        return 0.5 + np.trapezoid(np.exp(log_c - (dof + 1) / 2 * np.log1p(xs ** 2 / dof)), xs)
+    lo, hi = 0.0, 100.0
+    for _ in range(60):
+        lo, hi = (lo, (lo + hi) / 2) if cdf((lo + hi) / 2) > p else ((lo + hi) / 2, hi)
+    return (lo + hi) / 2
+
+
+def curve(metrics) -> tuple[list[int], list[float]]:
+    """(tokens_seen, val_loss) of a run's validation points, step -1 (before training) first; refuses a run that
+    was rolled back or has a non-finite loss (a band from a diverged run would be wrong)."""
+    points = metrics[metrics["val_loss"].notna()]
+    if "rolled_back" in metrics and metrics["rolled_back"].fillna(False).astype(bool).any():
+        raise SystemExit("a reference run was rolled back after NaN steps: not a healthy run, no band made")
+    if not np.isfinite(points["val_loss"]).all() or not np.isfinite(metrics["loss"].iloc[1:]).all():
+        raise SystemExit("a reference run has a non-finite loss: not a healthy run, no band made")
+    return [int(t) for t in points["tokens_seen"]], [float(v) for v in points["val_loss"]]
+
+
+def stage_band(runs: list[dict], t95: float) -> dict:
+    """One stage's band: seeds' curves interpolated onto the median token count of each validation point."""
+    tokens = np.median(np.array([r["tokens"] for r in runs], dtype=float), axis=0).round()
+    losses = np.array([np.interp(tokens, r["tokens"], r["val_loss"]) for r in runs])
+    n, mean, sd = len(runs), losses.mean(0), losses.std(0, ddof=1)
+    half = t95 * sd * math.sqrt(1 + 1 / n)
+    gaps = np.array([r["gap"] for r in runs])
+    r4 = lambda a: [round(float(x), 4) for x in a]
+    first = runs[0]
+    return {"dtype": first["dtype"], "amp_reason": first["amp_reason"], "comparable": first["comparable"],
+            "training": first["training"], "tokens": [int(t) for t in tokens],
+            "quantiles": {str(q): r4(np.quantile(losses, q, axis=0)) for q in QUANTILES},
+            "mean": r4(mean), "lower": r4(mean - half), "upper": r4(mean + half),
+            "gap": {"per_seed": r4(gaps),
+                    "upper": round(float(gaps.mean() + t95 * gaps.std(ddof=1) * math.sqrt(1 + 1 / n)), 4)},
+            "grad_norm_max_over_median": r4([r["grad_ratio"] for r in runs]),
+            "seed_curves": {str(r["seed"]): {"tokens": r["tokens"], "val_loss": r4(r["val_loss"])} for r in runs},
+            "wall_time_s": [r["wall_time_s"] for r in runs]}
+
+
+def run_seed(profile: str, seed: int, work: Path) -> dict[str, dict]:
+    """The profile's pretraining and SFT for one seed; per stage what the band needs from it."""
+    out, found = {}, {}
+    for stage in ("pretrain", "sft"):
+        t0 = time.perf_counter()
+        kwargs = dict(profile=profile, seed=seed, progress=False, cache_dir=work / "cache", log=lambda msg: None)
+        if stage == "pretrain":
+            result = pipeline.pretrain(out=work / f"seed{seed}" / stage, sample_every=0, **kwargs)
+        else:
+            result = pipeline.sft(out=work / f"seed{seed}" / stage, init=work / f"seed{seed}" / "pretrain", **kwargs)
+        tokens, val = curve(result.metrics)
+        spikes = grad_spikes(result.metrics, result.config["train"]["warmup_steps"])
+        found[stage] = {"seed": seed, "tokens": tokens, "val_loss": val, "dtype": result.config["amp"]["resolved"],
+                        "amp_reason": result.config["amp"]["reason"], "comparable": comparable(result.config),
+                        "training": {k: result.config["train"][k] for k in ("lr", "max_steps", "accum_steps",
+                                                                              "warmup_steps", "eval_every")},
+                        "gap": final_gap(result.metrics, result.config["train"]["eval_every"]),
+                        "grad_ratio": spikes["max_over_median"], "wall_time_s": round(time.perf_counter() - t0, 1)}
+        out[stage] = found[stage]
+        print(f"seed {seed} {stage}: val loss {val[0]:.4f} -> {val[-1]:.4f} at {tokens[-1]:,} tokens "
+              f"({found[stage]['wall_time_s']} s)", flush=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("profile", choices=sorted(PROFILES))
+    parser.add_argument("--seeds", type=int, default=5, help="how many seeds (>= 5 for a committed band)")
+    parser.add_argument("--first-seed", type=int, default=1)
+    parser.add_argument("--out", default=None, help="band file (default minimind_lib/assets/bands/PROFILE.json)")
+    parser.add_argument("--work", default=None, help="folder for the runs (must not exist; default: a temporary one)")
+    parser.add_argument("--keep", action="store_true", help="keep the runs' folder")
+    args = parser.parse_args(argv)
+    if args.seeds < 2:
+        parser.error("--seeds: a band needs at least 2 seeds (5 or more for a committed one)")
+    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix=f"band-{args.profile}-"))
+    if args.work:
+        work.mkdir(parents=True)  # refuses an existing folder: this tool removes only what it made
+    out = Path(args.out) if args.out else BANDS_DIR / f"{args.profile}.json"
+    seeds = list(range(args.first_seed, args.first_seed + args.seeds))
+    started = datetime.datetime.now(datetime.timezone.utc)
+    try:
+        runs = [run_seed(args.profile, seed, work) for seed in seeds]
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    t95 = t_quantile(0.975, len(seeds) - 1)
+    band = {"format": BAND_FORMAT, "version": BAND_VERSION, "profile": args.profile, "n_seeds": len(seeds),
+            "seeds": seeds, "profile_sizes": get_profile(args.profile).to_dict(),
+            "made_by": {"command": " ".join(["python tools/make_reference.py",
+                                             *(argv if argv is not None else sys.argv[1:])]),
+                        "date": started.strftime("%Y-%m-%d"), "device": "cpu", "cpu": device_name(torch.device("cpu")),
+                        "threads": torch.get_num_threads(), "torch": torch.__version__,
+                        "python": platform.python_version()},
+            "method": f"per stage: each seed's validation loss interpolated (linearly in trained tokens) onto the "
+                      f"median token count of every validation point; lower/upper: the 95% prediction interval for "
+                      f"one more seed, mean +- t(0.975, {len(seeds) - 1}) = {t95:.3f} x sd x sqrt(1 + 1/{len(seeds)})",
+            "stages": {stage: stage_band([r[stage] for r in runs], t95) for stage in ("pretrain", "sft")}}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out, json.dumps(band, indent=1, ensure_ascii=False) + "\n")
+    for stage, b in band["stages"].items():
+        q = b["quantiles"]
+        print(f"{stage}: final val loss min {q['0.0'][-1]} median {q['0.5'][-1]} max {q['1.0'][-1]}; "
+              f"allowed {b['lower'][-1]}..{b['upper'][-1]}")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
