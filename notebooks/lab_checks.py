@@ -848,6 +848,14 @@ def _doc(n: int, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, ids + 1000
 
 
+def _random_docs(g: torch.Generator, longest: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """1 to 8 documents of 1 to `longest` tokens, about 30% of their labels -100 (a prompt's untrained positions)."""
+    docs = [_doc(_int(g, 1, longest), 100 * d) for d in range(_int(g, 1, 8))]
+    for ids, labels in docs:
+        labels[torch.rand(len(ids), generator=g) < 0.3] = -100
+    return docs
+
+
 def _segments(rows: Any) -> list:
     """Rows of segments as plain lists: [[(ids, labels), ...], ...]."""
     return [[(torch.as_tensor(i).tolist(), torch.as_tensor(lab).tolist()) for i, lab in row] for row in rows]
@@ -880,9 +888,7 @@ def _stream_mistake(fn: Callable) -> str | None:
 def _compare_stream_segments(fn: Callable, g: torch.Generator) -> None:
     for k in range(30):
         whole, seq_len = bool(k % 2), _int(g, 2, 16)
-        docs = [_doc(_int(g, 1, seq_len if whole else 3 * seq_len), 100 * d) for d in range(_int(g, 1, 8))]
-        for ids, labels in docs:
-            labels[torch.rand(len(ids), generator=g) < 0.3] = -100  # untrained positions (a prompt) move with their ids
+        docs = _random_docs(g, seq_len if whole else 3 * seq_len)
         yours, want = B.PackStats(), B.PackStats()
         call = f"stream_segments(documents of lengths {[len(d[0]) for d in docs]}, seq_len={seq_len}, whole={whole})"
         first_item_difference(f"the rows of segments (ids, labels) of {call}", _segments(fn(list(docs), seq_len,
@@ -919,9 +925,7 @@ def _rows_mistake_06(fn: Callable) -> str | None:
 def _compare_rows_from_segments(fn: Callable, g: torch.Generator) -> None:
     for k in range(12):
         whole, seq_len, pad_id = bool(k % 2), _int(g, 2, 24), _pick(g, (0, 3, 6399))
-        docs = [_doc(_int(g, 1, seq_len if whole else 2 * seq_len), 100 * d) for d in range(_int(g, 1, 8))]
-        for ids, labels in docs:
-            labels[torch.rand(len(ids), generator=g) < 0.3] = -100
+        docs = _random_docs(g, seq_len if whole else 2 * seq_len)
         rows = B.stream_segments(docs, seq_len, B.PackStats(), whole)
         yours, want = B.PackStats(n_docs=len(docs)), B.PackStats(n_docs=len(docs))
         out, lib = fn(rows, seq_len, pad_id, yours), B.rows_from_segments(rows, seq_len, pad_id, want)
