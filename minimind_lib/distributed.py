@@ -16,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel
 from .batching import TokenBudgetBatchSampler
 from .data import IGNORE_INDEX, pad_collate, trained_tokens
 from .device import get_device
-from .memory import MemoryMeter
+from .memory import MemoryMeter, estimate_memory
 from .train import all_reduce_sum, fit, world_size
 
 @dataclasses.dataclass(frozen=True)
@@ -203,3 +203,23 @@ def fit_distributed(model: nn.Module, step_source: Any, cfg: Any, *, info: DistI
              controller=controller, callbacks=callbacks, resume_from=resume_from, is_main_process=info.is_main)
     df.attrs.update({"world_size": info.world_size, "backend": info.backend or "none", "rank": info.rank})
     return df
+
+
+def per_rank_memory(config: Any, world: int, batch_size: int, seq_len: int, amp: str = "bf16") -> dict:
+    """Bytes a rank holds as a micro-batch's backward starts under gradient accumulation (estimate_memory's terms), as
+    {setup: {component: bytes}} for one plain GPU, DDP (plus its gradient buckets, a second fp32 gradient) and FSDP2
+    over `world` ranks: weights, gradients and AdamW moments sharded, no autocast copy, two units (root or block)
+    gathered in the compute dtype and one unit's fp32 gradient before its reduce-scatter. Activations never shrink."""
+    if int(world) < 1:
+        raise ValueError(f"world must be >= 1, got {world}")
+    est = estimate_memory(config, batch_size, seq_len, amp=amp, accum_steps=2)
+    embedding = config.vocab_size * config.hidden_size
+    unit = max(embedding, (est["n_params"] - embedding - config.hidden_size) // config.num_hidden_layers)
+    one = {"fp32 weights": est["params_bytes"], "fp32 gradients": est["grads_bytes"],
+           "AdamW moments": est["optimizer_bytes"], "autocast weight copy": est["amp_weight_copies_bytes"],
+           "DDP gradient buckets": 0, "unsharded units": 0,
+           "activations, logits, buffers": est["activations_bytes"] + est["head_bytes"] + est["buffers_bytes"]}
+    sharded = {k: one[k] / world for k in ("fp32 weights", "fp32 gradients", "AdamW moments")}
+    return {"one GPU": one, "DDP": {**one, "DDP gradient buckets": est["grads_bytes"]},
+            "FSDP2": {**one, **sharded, "autocast weight copy": 0,
+                      "unsharded units": unit * (2 * (4 if amp == "off" else 2) + 4)}}

@@ -1019,3 +1019,271 @@ def _compare_memory_check(fn: Callable, g: torch.Generator) -> None:
         call = (f"memory_check(frac={frac:.4f}, sizes={sizes}, start_sizes={start}, seq_len={seq_len}, seq_len_start="
                 f"{seq_len_start}, uncut_len={uncut}, high_water={high}, low_water={low:g}, shrink={shrink})")
         first_item_difference(f"(kind, sizes, seq_len, uncut_len) of {call}", tuple(fn(*args)), B.memory_check(*args))
+
+
+# ======================================================================================================================
+# 09_beyond_one_gpu: the split, the global token count, no_sync, the memory of a rank
+# ======================================================================================================================
+import contextlib  # noqa: E402  (this section's own imports: the chapters' sections stay apart)
+import copy  # noqa: E402
+
+import torch.distributed as dist  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel  # noqa: E402
+
+from minimind_lib import distributed as DP  # noqa: E402
+from minimind_lib import train as T  # noqa: E402
+from minimind_lib.data import pad_collate, trained_tokens  # noqa: E402
+
+
+# 09 the split -------------------------------------------------------------------------------------------------------
+def _deal_mistake(fn: Callable) -> str | None:
+    if [list(o) for o in fn([5, 1, 1, 1, 1, 1], 2)] == [[0, 2, 4], [1, 3, 5]]:
+        return "It deals round-robin, whatever the costs: one rank then waits for the other at every all-reduce."
+    if [list(o) for o in fn([1, 1, 5], 2)] == [[0, 2], [1]]:
+        return ("It deals the micro-batches in the order given: the largest must go first, or a large one that comes "
+                "last lands on a rank that is already loaded.")
+    got, want = fn([3, 1, 2, 2], 2), DP.assign_to_ranks([3, 1, 2, 2], 2)
+    if [sorted(o) for o in got] == want and [list(o) for o in got] != want:
+        return "Each rank's positions should be listed in increasing order (the order of the step's micro-batches)."
+    return None
+
+
+@region("deal", "go through the positions from the largest cost to the smallest (equal costs: the lower position "
+        "first); give each to the rank whose costs add up to the least so far (equal: the one with fewer items, then "
+        "the lower rank); return each rank's positions in increasing order.",
+        fallback=lambda fn: DP.assign_to_ranks, probes=(_deal_mistake,))
+def _compare_deal(fn: Callable, g: torch.Generator) -> None:
+    for _ in range(40):  # costs from a few values (many ties), sometimes fewer micro-batches than ranks
+        n_ranks, scale = _int(g, 1, 6), _pick(g, (1, 1, 100))
+        costs = [_int(g, 1, 6) * scale for _ in range(_int(g, 0, 12))]
+        got = fn(list(costs), n_ranks)
+        first_item_difference(f"deal({costs}, {n_ranks})", [list(o) for o in got], DP.assign_to_ranks(costs, n_ranks))
+
+
+# 09 the global token count ------------------------------------------------------------------------------------------
+def _micro_batch(g: torch.Generator, vocab: int) -> dict[str, torch.Tensor]:
+    """1 to 3 rows of 2 to 12 random ids, padded on the right (labels -100 there), some with untrained positions."""
+    samples = []
+    for _ in range(_int(g, 1, 3)):
+        ids = torch.randint(0, vocab, (_int(g, 2, 12),), generator=g)
+        labels = ids.clone()
+        if _int(g, 0, 2) == 0:  # positions that are not trained, as in SFT
+            labels[torch.rand(len(ids), generator=g) < 0.4] = -100
+        samples.append({"input_ids": ids, "labels": labels})
+    return pad_collate(samples, 0)
+
+
+def _rank_shares(g: torch.Generator, vocab: int, world: int) -> tuple[list[list[dict]], list[int]]:
+    """Each rank's micro-batches (1 to 3) and trained tokens, the ranks' counts clearly unequal: where a rank dividing
+    by its own count shows."""
+    while True:
+        shares = [[_micro_batch(g, vocab) for _ in range(_int(g, 1, 3))] for _ in range(world)]
+        counts = [sum(trained_tokens(mb["labels"]) for mb in share) for share in shares]
+        if min(counts) > 0 and max(counts) >= 1.3 * min(counts):
+            return shares, counts
+
+
+def _gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
+            for n, p in model.named_parameters()}
+
+
+def _library_rank_backward(model: Any, micro_batches: Sequence[dict], n_global: int, world: int) -> None:
+    """train.accumulate_step's loss, called the chapter's way: each micro-batch's sum of token losses times world
+    over n_global (the step's trained tokens on all ranks), backpropagated."""
+    for mb in micro_batches:
+        (T.lm_loss(T.forward_logits(model, mb), mb["labels"], reduction="sum") * (world / n_global)).backward()
+
+
+def _flat_gradient(model: torch.nn.Module, backward: Callable[[], Any]) -> torch.Tensor:
+    model.zero_grad(set_to_none=True)
+    with torch.enable_grad():
+        backward()
+    return torch.cat([g.flatten() for g in _gradients(model).values()])
+
+
+def _rank_loss_mistake(fn: Callable) -> str | None:
+    g = torch.Generator().manual_seed(0)
+    c = _config(g)
+    model = _randomize(mm.MiniMindForCausalLM(c), g)
+    while True:  # rank 0 with micro-batches of different token counts, the ranks unequal
+        shares, counts = _rank_shares(g, c.vocab_size, 2)
+        if len({trained_tokens(mb["labels"]) for mb in shares[0]}) > 1:
+            break
+    share, n = shares[0], sum(counts)
+    yours = _flat_gradient(model, lambda: fn(model, [dict(mb) for mb in share], n, 2))
+    own = _flat_gradient(model, lambda: T.accumulate_step(model, share))  # / the rank's own count
+    naive = _flat_gradient(model, lambda: T.accumulate_step(model, share, normalization="naive"))
+    global_only = _flat_gradient(model, lambda: T.accumulate_step(model, share, n_tokens_total=n))
+    same = lambda a, b: torch.allclose(a, b, rtol=1e-3, atol=1e-7)  # noqa: E731
+    if same(yours, 2 * own) or same(yours, own):
+        return ("It divides by the rank's own token count: a token of the rank holding fewer tokens then weighs more; "
+                "every rank must divide by the same count, the step's on all ranks.")
+    if same(yours, 2 * naive) or same(yours, naive):
+        return "It averages each micro-batch's loss on its own (notebook 04's naive mean): divide the sums by n_global."
+    if same(yours, global_only):
+        return ("It divides by n_global but does not multiply by world: DDP's average then divides by world once "
+                "more, a gradient world times too small (a silently lower learning rate).")
+    return None
+
+
+@region("rank_backward", "for each micro-batch, the sum (not the mean) of its token losses, divided by n_global, the "
+        "trained tokens of the whole step on all ranks, which every rank is given; then times world, because DDP "
+        "averages the ranks' gradients; backward.", fallback=lambda fn: _library_rank_backward,
+        probes=(_rank_loss_mistake,))
+def _compare_rank_backward(fn: Callable, g: torch.Generator) -> None:
+    c, world = _config(g), _pick(g, (2, 3, 4))
+    model = _randomize(mm.MiniMindForCausalLM(c), g)
+    shares, counts = _rank_shares(g, c.vocab_size, world)
+    n_global = sum(counts)
+    with torch.enable_grad():
+        model.zero_grad(set_to_none=True)
+        T.accumulate_step(model, [mb for share in shares for mb in share])  # one process, the whole step
+        want, average = _gradients(model), None
+        for share in shares:  # the ranks one after the other; DDP's all-reduce is their average
+            model.zero_grad(set_to_none=True)
+            fn(model, [dict(mb) for mb in share], n_global, world)
+            got = _gradients(model)
+            average = got if average is None else {k: average[k] + got[k] for k in got}
+    for name, grad in want.items():
+        first_difference(f"the gradient of {name} averaged over {world} ranks as DDP does (the ranks' trained tokens "
+                         f"{counts}, n_global = {n_global}), against one process running the whole step",
+                         average[name] / world, grad, 1e-4)
+
+
+# 09 no_sync ---------------------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _one_rank_group() -> Any:
+    """A gloo process group of this process alone, for a real DistributedDataParallel (the running one if any)."""
+    if dist.is_initialized():
+        yield
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("gloo", init_method=f"file://{Path(tmp) / 'pg'}", rank=0, world_size=1)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _as_one_rank_of(world: int) -> Any:
+    """minimind_lib.train reads its world size as `world`: accumulate_step runs as each rank of `world` runs it."""
+    saved, T.world_size = T.world_size, lambda: world
+    try:
+        yield
+    finally:
+        T.world_size = saved
+
+
+def _recording_hook(state: dict, bucket):  # no annotation on bucket: DDP inspects the hook's signature
+    """DDP's all-reduce (one rank: the sum is the bucket itself), noting the micro-batch whose backward sent it."""
+    state["synced"].add(state["forwards"] - 1)
+    return dist.all_reduce(bucket.buffer(), async_op=True).get_future().then(lambda f: f.value()[0])
+
+
+def _ddp_backward(fn: Callable, model: torch.nn.Module, micro_batches: Sequence[dict], n_global: int,
+                  world: int) -> tuple[list[int], dict[str, torch.Tensor]]:
+    """fn(ddp, micro_batches, n_global, world) on a fresh DDP around a copy of model: the micro-batches in whose
+    backward DDP all-reduced the gradient, and the gradients after them."""
+    model = copy.deepcopy(model)
+    ddp, seen = DistributedDataParallel(model), {"forwards": 0, "synced": set()}
+    model.register_forward_pre_hook(lambda *_: seen.update(forwards=seen["forwards"] + 1))
+    ddp.register_comm_hook(seen, _recording_hook)
+    with torch.enable_grad():
+        fn(ddp, [dict(mb) for mb in micro_batches], n_global, world)
+    return sorted(seen["synced"]), _gradients(model)
+
+
+def _library_accumulate_no_sync(ddp: Any, micro_batches: Sequence[dict], n_global: int, world: int = 1) -> None:
+    """train.accumulate_step's choice under DDP, called the chapter's way: every micro-batch but the last under
+    ddp.no_sync(), so that only the last backward all-reduces."""
+    for i, mb in enumerate(micro_batches):
+        with contextlib.nullcontext() if i == len(micro_batches) - 1 else ddp.no_sync():
+            _library_rank_backward(ddp, [mb], n_global, world)
+
+
+def _no_sync_mistake(fn: Callable) -> str | None:
+    g = torch.Generator().manual_seed(0)
+    c = _config(g)
+    model, micro = _randomize(mm.MiniMindForCausalLM(c), g), [_micro_batch(g, c.vocab_size) for _ in range(4)]
+    with _one_rank_group():
+        synced, _ = _ddp_backward(fn, model, micro, 10_000, 2)
+    return {(0, 1, 2, 3): "Every micro-batch's backward all-reduces (no no_sync()): the same gradient, sent k times.",
+            (0,): ("The all-reduce happens in the first micro-batch's backward: the later micro-batches' gradients stay "
+                   "on their rank and are never summed across ranks."),
+            (): "No backward all-reduces: the last micro-batch ran under no_sync() too, so the ranks never sum.",
+            (0, 1, 2): "no_sync() is on the last micro-batch instead of the others."}.get(tuple(synced))
+
+
+@region("accumulate_no_sync", "run every micro-batch's backward through the DDP model with rank_backward; all but "
+        "the last inside ddp.no_sync() (which only adds into .grad), the last outside it, so that its backward "
+        "all-reduces the sum once.", fallback=lambda fn: _library_accumulate_no_sync, probes=(_no_sync_mistake,))
+def _compare_accumulate_no_sync(fn: Callable, g: torch.Generator) -> None:
+    c, world, k = _config(g), _pick(g, (2, 3, 4)), _int(g, 2, 5)
+    model, micro = _randomize(mm.MiniMindForCausalLM(c), g), [_micro_batch(g, c.vocab_size) for _ in range(k)]
+    n_global = sum(trained_tokens(mb["labels"]) for mb in micro) + _int(g, 1, 200)  # plus the other ranks' tokens
+    with _one_rank_group():
+        synced, got = _ddp_backward(fn, model, micro, n_global, world)
+        with _as_one_rank_of(world):  # the library's own loop, as rank 0 of `world` runs it
+            want_synced, want = _ddp_backward(lambda ddp, mbs, n, w: T.accumulate_step(ddp, mbs, n_tokens_total=n),
+                                              model, micro, n_global, world)
+    first_item_difference(f"the micro-batches (of {k}, numbered from 0) in whose backward DDP all-reduced the "
+                          "gradient", synced, want_synced)
+    for name, grad in want.items():
+        first_difference(f"the gradient of {name} after the {k} micro-batches (your accumulate_no_sync calls "
+                         "rank_backward: it must have passed its check)", got[name], grad, 1e-4)
+
+
+# 09 the memory of a rank --------------------------------------------------------------------------------------------
+def _memory_config(g: torch.Generator) -> mm.MiniMindConfig:
+    """A dense MiniMind of random size, from a few million to billions of parameters (head_dim = hidden / heads)."""
+    heads = _pick(g, (4, 8, 16, 32))
+    return mm.MiniMindConfig(hidden_size=heads * _pick(g, (32, 64, 128)), num_hidden_layers=_int(g, 1, 32),
+                             num_attention_heads=heads, num_key_value_heads=heads // _pick(g, (1, 2, 4)),
+                             vocab_size=_pick(g, (6400, 32000, 151936)),
+                             intermediate_size=_pick(g, (None, 64 * _int(g, 4, 180))))
+
+
+def _memory_mistake(fn: Callable) -> str | None:
+    c = mm.MiniMindConfig(hidden_size=2048, num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=4)
+    yours, want = fn(c, 8, 2, 512, "bf16"), DP.per_rank_memory(c, 8, 2, 512, "bf16")
+    act = "activations, logits, buffers"
+    if abs(yours["FSDP2"][act] * 8 - want["FSDP2"][act]) < 1:
+        return "It divides the activations by world: every rank runs its own micro-batch, so they do not shrink."
+    if not yours["DDP"]["DDP gradient buckets"]:
+        return ("It leaves out DDP's gradient buckets: DDP all-reduces from a second fp32 copy of the gradients, 4 "
+                "bytes per parameter (unless gradient_as_bucket_view=True).")
+    if abs(yours["FSDP2"]["fp32 gradients"] - 8 * want["FSDP2"]["fp32 gradients"]) < 1:
+        return "It keeps FSDP2's gradients whole: the reduce-scatter leaves each rank its shard."
+    if abs(yours["one GPU"]["AdamW moments"] - want["one GPU"]["AdamW moments"] / 2) < 1:
+        return "It counts one AdamW moment: AdamW keeps two in fp32 (exp_avg, exp_avg_sq), 8 bytes per parameter."
+    if yours["FSDP2"]["autocast weight copy"]:
+        return "It keeps an autocast copy of every weight under FSDP2: FSDP2 casts one unit at a time."
+    return None
+
+
+@region("per_rank_bytes", "take the weights, gradients, AdamW moments, the autocast copy and the activations (with "
+        "the logits and buffers) from estimate_memory with accum_steps=2; DDP adds its buckets, 4 bytes per "
+        "parameter; FSDP2 divides the first three by world, keeps no autocast copy, and adds two units gathered (2 "
+        "bytes per parameter under autocast, 4 without) and one unit's fp32 gradient.",
+        fallback=lambda fn: DP.per_rank_memory, probes=(_memory_mistake,))
+def _compare_per_rank_bytes(fn: Callable, g: torch.Generator) -> None:
+    for _ in range(6):
+        c, world, batch, seq, amp = (_memory_config(g), _int(g, 1, 16), _int(g, 1, 8), _pick(g, (128, 512, 2048)),
+                                     _pick(g, ("bf16", "fp16", "off")))
+        want, yours = DP.per_rank_memory(c, world, batch, seq, amp), fn(c, world, batch, seq, amp)
+        call = (f"per_rank_bytes(c, {world}, {batch}, {seq}, {amp!r}) for c of hidden {c.hidden_size}, "
+                f"{c.num_hidden_layers} layers, vocabulary {c.vocab_size}")
+        names = [(setup, part) for setup, parts in want.items() for part in parts]
+        for setup, part in names:
+            if not isinstance(yours, Mapping) or not isinstance(yours.get(setup), Mapping) or part not in yours[setup]:
+                raise Different(f"{call} has no {setup!r}: {part!r}: it returns {{setup: {{component: bytes}}}} with "
+                                f"the setups {list(want)} and the components {list(want[setup])}.")
+        got = torch.tensor([float(yours[s][p]) for s, p in names], dtype=torch.float64)
+        expected = torch.tensor([float(want[s][p]) for s, p in names], dtype=torch.float64)
+        try:
+            first_difference(call, got, expected, 1e-9)
+        except Different as e:
+            at = int(torch.nonzero(~torch.isclose(got, expected, rtol=1e-9, atol=1e-9))[0])
+            raise Different(f"{e} The value at index {at} is {names[at][0]}: {names[at][1]}.") from None

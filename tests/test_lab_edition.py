@@ -222,6 +222,19 @@ PLANTED = [
     ("06_dynamic_batching", "memory_check", with_mistake("06_dynamic_batching", "memory_check",  # grows after an OOM
                                                          "\n    return None, sizes, seq_len, uncut_len", ""),
      r"grew the micro-batch while the rows were still cut"),
+    ("09_beyond_one_gpu", "deal", "return [list(range(r, len(costs), n_ranks)) for r in range(n_ranks)]",
+     r"round-robin"),
+    ("09_beyond_one_gpu", "rank_backward", with_mistake("09_beyond_one_gpu", "rank_backward", "* world / n_global",
+                                                        "* world / count_tokens(micro_batches)"),
+     r"divides by the rank's own token count"),
+    ("09_beyond_one_gpu", "rank_backward", with_mistake("09_beyond_one_gpu", "rank_backward", "* world / n_global",
+                                                        "/ n_global"), r"does not multiply by world"),
+    ("09_beyond_one_gpu", "accumulate_no_sync", with_mistake("09_beyond_one_gpu", "accumulate_no_sync",
+                                                             "last = i == len(micro_batches) - 1", "last = True"),
+     r"Every micro-batch's backward all-reduces \(no no_sync\(\)\)"),
+    ("09_beyond_one_gpu", "accumulate_no_sync", with_mistake("09_beyond_one_gpu", "accumulate_no_sync",
+                                                             "last = i == len(micro_batches) - 1", "last = i == 0"),
+     r"all-reduce happens in the first micro-batch's backward"),
 ]
 
 
@@ -249,11 +262,8 @@ def test_a_stub_says_not_written_and_the_notebook_goes_on(capsys, monkeypatch):
     assert "rsqrt" not in line and "xf" not in line  # the hint never gives the code
 
 
-FUNCTION_REGIONS = [r.name for n in ("01_tokenizer", "02_data")
+FUNCTION_REGIONS = [r.name for n in ("01_tokenizer", "02_data", "06_dynamic_batching", "09_beyond_one_gpu")
                     for r in handout.notebook_regions(chapter(NB_DIR / f"{n}.ipynb"))]
-
-
-FUNCTION_REGIONS += [r.name for r in handout.notebook_regions(chapter(NB_DIR / "06_dynamic_batching.ipynb"))]
 
 
 def test_the_cells_left_out_of_planted_runs_exist():
@@ -263,8 +273,9 @@ def test_the_cells_left_out_of_planted_runs_exist():
 
 @pytest.mark.parametrize("name", FUNCTION_REGIONS)
 def test_a_stub_goes_on_with_a_version_that_passes_the_check(name, capsys):
-    """01's, 02's and 06's regions are functions: a stub's check says "not written yet" and returns the library's version
-    (or its rule, written in lab_checks.py where the library has no such function), which passes the same check."""
+    """01's, 02's, 06's and 09's regions are functions: a stub's check says "not written yet" and returns the library's
+    version (or its rule, written in lab_checks.py where the library has no such function), which passes the same
+    check."""
     def stub(*args, **kwargs):
         raise NotImplementedError()
 
@@ -272,3 +283,35 @@ def test_a_stub_goes_on_with_a_version_that_passes_the_check(name, capsys):
     assert capsys.readouterr().out.startswith(f"{name}: not written yet. Hint: ")
     assert lab_checks.check(name, fallback) is fallback
     assert capsys.readouterr().out.startswith(f"{name}: passed (equal to minimind_lib's on fresh random inputs)")
+
+
+# 09: its arithmetic regions come after a 2-process torchrun job; their planted mistakes run in the chapter cut to its
+# set-up cells (before its first section) and the cells from the region to its check, which need nothing else.
+PLANTED_AFTER_THE_RUN = [
+    ("09_beyond_one_gpu", "per_rank_bytes", with_mistake("09_beyond_one_gpu", "per_rank_bytes", "**rest, \"autocast",
+                                                         "**{k: b / world for k, b in rest.items()}, \"autocast"),
+     r"divides the activations by world"),
+    ("09_beyond_one_gpu", "per_rank_bytes", with_mistake("09_beyond_one_gpu", "per_rank_bytes",
+                                                         '{**one_gpu, "DDP gradient buckets": 4 * est["n_params"]}',
+                                                         "one_gpu"), r"leaves out DDP's gradient buckets"),
+]
+
+
+def region_alone(tmp_path: Path, chapter_name: str, name: str) -> Path:
+    """The chapter cut to its set-up cells and the cells from region `name`'s on, written into tmp_path."""
+    nb = chapter(NB_DIR / f"{chapter_name}.ipynb")
+    first_section = next(i for i, c in enumerate(nb.cells) if c.cell_type == "markdown" and c.source.startswith("## "))
+    start = next(i for i, c in enumerate(nb.cells) if c.cell_type == "code" and
+                 any(r.name == name for r in handout.find_regions(c.source)))
+    nb.cells = nb.cells[:first_section] + nb.cells[start:]
+    nbformat.write(nb, tmp_path / f"{chapter_name}.ipynb")
+    return tmp_path / f"{chapter_name}.ipynb"
+
+
+@pytest.mark.parametrize("chapter_name, name, body, names_it", PLANTED_AFTER_THE_RUN, ids=lambda v: str(v)[:24])
+def test_a_planted_mistake_after_the_run_is_caught_and_named(chapter_name, name, body, names_it, tmp_path,
+                                                               monkeypatch):
+    region_alone(tmp_path, chapter_name, name)
+    monkeypatch.setattr(sys.modules[__name__], "NB_DIR", tmp_path)  # the test above then runs the cut chapter
+    test_a_planted_mistake_is_caught_and_named(chapter_name, name, body, names_it, monkeypatch)
+
