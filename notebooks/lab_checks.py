@@ -1112,6 +1112,237 @@ def _compare_scaler_update(cls: type, g: torch.Generator) -> None:
 
 
 # ======================================================================================================================
+# 06_dynamic_batching: the token budget, packing, the controller's decisions
+# ======================================================================================================================
+from minimind_lib import batching as B  # noqa: E402
+
+
+def _rows_of_lengths(*lengths: int) -> list[dict]:
+    """Samples of the given lengths, as the controller sees them (only their length matters)."""
+    return [{"input_ids": torch.zeros(n, dtype=torch.long)} for n in lengths]
+
+
+# 06 fill_batches ------------------------------------------------------------------------------------------------------
+def _budget_mistake(fn: Callable) -> str | None:
+    if fn([0, 1, 2], [5, 5, 5], 8) == [[0, 1, 2]]:
+        return ("Three rows of 5 tokens made one batch under max_tokens=8: it counts rows against the budget, which "
+                "is on padded tokens, rows x the longest row.")
+    if fn([0, 1, 2], [5, 2, 2], 8) == [[0, 1, 2]]:
+        return ("Rows of 5, 2 and 2 tokens made one batch under max_tokens=8: it multiplies by the new row's length, "
+                "but every row is padded to the longest row in the batch, counting the rows already in it.")
+    if fn([0, 1, 2], [5, 2, 2], 8) == [[0, 1], [2]]:
+        return ("Rows of 5 and 2 tokens made one batch under max_tokens=8: it counts the real tokens of the rows "
+                "(their sum); every row is padded to the longest row of its batch, so the budget is on rows x the "
+                "longest row.")
+    if fn([0, 1], [4, 4], 8) == [[0], [1]]:
+        return "Two rows of 4 tokens were split under max_tokens=8: a batch that fills the budget exactly is allowed."
+    return None
+
+
+@region("fill_batches", "walk the samples in the given order, keeping the open batch and the longest row in it; a "
+        "sample joins while (rows + 1) times the longest row, this sample's length included, stays within max_tokens "
+        "and the rows stay under max_batch_size (either limit may be None); otherwise close the batch and let the "
+        "sample open the next one; close the last batch at the end.", fallback=lambda fn: B.fill_batches,
+        probes=(_budget_mistake,))
+def _compare_fill_batches(fn: Callable, g: torch.Generator) -> None:
+    for k in range(60):
+        unit = _int(g, 1, 16)
+        if k % 3 == 0:  # few distinct lengths and a budget they fill exactly, or one below the longest row
+            lengths = [unit * _int(g, 1, 3) for _ in range(_int(g, 1, 24))]
+        else:
+            lengths = [_int(g, 1, _pick(g, (8, 64))) for _ in range(_int(g, 0, 24))]
+        order = (sorted(range(len(lengths)), key=lambda i: -lengths[i]) if k % 2 else  # a megabatch's order
+                 torch.randperm(len(lengths), generator=g).tolist())
+        longest = max(lengths, default=1)
+        max_tokens = (None if k % 7 == 0 else unit * _int(g, 1, 8) if k % 3 == 0 else
+                      _int(g, max(1, longest // 2), 4 * longest))
+        max_rows = _int(g, 1, 6) if max_tokens is None or k % 3 == 0 else None
+        call = f"fill_batches(order={order}, lengths={lengths}, max_tokens={max_tokens}, max_batch_size={max_rows})"
+        yours = fn(list(order), list(lengths), max_tokens, max_rows)
+        first_item_difference(call, [list(b) for b in yours] if isinstance(yours, (list, tuple)) else yours,
+                              B.fill_batches(order, lengths, max_tokens, max_rows))
+
+
+# 06 stream_segments ---------------------------------------------------------------------------------------------------
+def _doc(n: int, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.arange(start, start + n)
+    return ids, ids + 1000
+
+
+def _random_docs(g: torch.Generator, longest: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """1 to 8 documents of 1 to `longest` tokens, about 30% of their labels -100 (a prompt's untrained positions)."""
+    docs = [_doc(_int(g, 1, longest), 100 * d) for d in range(_int(g, 1, 8))]
+    for ids, labels in docs:
+        labels[torch.rand(len(ids), generator=g) < 0.3] = -100
+    return docs
+
+
+def _segments(rows: Any) -> list:
+    """Rows of segments as plain lists: [[(ids, labels), ...], ...]."""
+    return [[(torch.as_tensor(i).tolist(), torch.as_tensor(lab).tolist()) for i, lab in row] for row in rows]
+
+
+def _stream_mistake(fn: Callable) -> str | None:
+    def run(lengths: tuple, seq_len: int, whole: bool = False) -> tuple[list, int]:
+        stats = B.PackStats()
+        rows = fn([_doc(n, 10 * d) for d, n in enumerate(lengths)], seq_len, stats, whole)
+        return [[len(ids) for ids, _ in row] for row in rows], stats.n_split
+    if run((3, 4), 5, whole=True)[0] == [[3, 2], [2]]:
+        return ("With whole=True it cut a document across rows: a document that does not fit the room left starts "
+                "the next row whole, and the row before keeps its empty end.")
+    if run((2, 2), 5)[0] == [[2], [2]]:
+        return "It starts a new row for every document: packing puts the next document in the room left in the row."
+    if sum(map(sum, run((7,), 5)[0])) < 7:
+        return "A document longer than the room left lost its rest: what does not fit goes on in the next row."
+    if run((5,), 5)[1] == 1:
+        return "It counts a document that exactly fills the room left as cut: it was placed whole."
+    if run((12,), 5)[1] > 1:
+        return "It counts a document once per cut: n_split counts the documents cut, once each."
+    return None
+
+
+@region("stream_segments", "keep the open row and the room left in it; put as much of each document as fits in the "
+        "room left, close the row when it is full and go on with the rest of the document in a new row; count each "
+        "document that does not fit the room left once in stats.n_split; with whole=True a document that does not fit "
+        "closes the row first (it is never cut). Close the last row if it holds anything.",
+        fallback=lambda fn: B.stream_segments, probes=(_stream_mistake,))
+def _compare_stream_segments(fn: Callable, g: torch.Generator) -> None:
+    for k in range(30):
+        whole, seq_len = bool(k % 2), _int(g, 2, 16)
+        docs = _random_docs(g, seq_len if whole else 3 * seq_len)
+        yours, want = B.PackStats(), B.PackStats()
+        call = f"stream_segments(documents of lengths {[len(d[0]) for d in docs]}, seq_len={seq_len}, whole={whole})"
+        first_item_difference(f"the rows of segments (ids, labels) of {call}", _segments(fn(list(docs), seq_len,
+                              yours, whole)), _segments(B.stream_segments(docs, seq_len, want, whole)))
+        if yours.n_split != want.n_split:
+            raise Different(f"stats.n_split after {call} differs first at index (0,): yours {yours.n_split}, the "
+                            f"library's {want.n_split} (documents cut across rows).")
+
+
+# 06 rows_from_segments ------------------------------------------------------------------------------------------------
+def _rows_mistake_06(fn: Callable) -> str | None:
+    out = fn([[_doc(3), _doc(2, 50)], [_doc(4, 70)]], 6, 0, B.PackStats())
+    positions, labels, docs = (out[k].tolist() for k in ("position_ids", "labels", "doc_ids"))
+    if positions[0][3:5] == [3, 4]:
+        return ("Its position_ids count on across a document boundary: positions restart at 0 in each document, so "
+                "RoPE sees the positions the document has alone.")
+    if labels[0][3] == 1050 or labels[0][0] == 1000:
+        return ("The first position of each document keeps its label: it must be -100, or the last token of the "
+                "document before would be trained to predict it (the model shifts the labels by one).")
+    if labels[0][0] == 1001:
+        return "It shifts the labels itself: labels line up with input_ids (the model does the shift)."
+    if docs[0][5] != -1 or docs[1][4] != -1:
+        return "doc_ids on padding are not -1: padding belongs to no document."
+    if docs[1][0] != 0:
+        return "doc_ids count on from the row before: they number the segments within each row, from 0."
+    return None
+
+
+@region("rows_from_segments", "start from (rows, seq_len) tensors of pad_id, -100, 0 and -1; in each row write its "
+        "segments one after the other: the ids, the labels from the segment's second position on (its first stays "
+        "-100), positions 0, 1, 2, ... starting again at each segment, and the segment's number in the row as its "
+        "doc id; add the tokens placed and the pads to the stats and set their row count.",
+        fallback=lambda fn: B.rows_from_segments, probes=(_rows_mistake_06,))
+def _compare_rows_from_segments(fn: Callable, g: torch.Generator) -> None:
+    for k in range(12):
+        whole, seq_len, pad_id = bool(k % 2), _int(g, 2, 24), _pick(g, (0, 3, 6399))
+        docs = _random_docs(g, seq_len if whole else 2 * seq_len)
+        rows = B.stream_segments(docs, seq_len, B.PackStats(), whole)
+        yours, want = B.PackStats(n_docs=len(docs)), B.PackStats(n_docs=len(docs))
+        out, lib = fn(rows, seq_len, pad_id, yours), B.rows_from_segments(rows, seq_len, pad_id, want)
+        what = f"of {len(rows)} rows of seq_len={seq_len} (segments of lengths {[[len(s[0]) for s in r] for r in rows]})"
+        for key in lib:
+            if not isinstance(out, Mapping) or key not in out:
+                raise Different(f"the result has no {key!r}: it holds input_ids, labels, position_ids and doc_ids.")
+            first_difference(f"{key} {what}", out[key], lib[key], 0.0)
+        for field in ("n_tokens", "n_pad", "n_rows"):
+            if getattr(yours, field) != getattr(want, field):
+                raise Different(f"stats.{field} {what} differs first at index (0,): yours {getattr(yours, field)}, the "
+                                f"library's {getattr(want, field)}.")
+
+
+# 06 after_oom, memory_check -------------------------------------------------------------------------------------------
+def _after_oom_mistake(fn: Callable) -> str | None:
+    rows = [_rows_of_lengths(100, 90, 90)]  # 300 padded tokens, under a cap of 1000
+    kind, sizes, _ = fn((None, 1000), rows, 0, 3, 0.8, None)
+    if sizes == (None, 500):
+        return ("Asked with a cap of 1000 padded tokens after a micro-batch of 300 ran out of memory, it halved the "
+                "cap, to 500, which that micro-batch does not reach: the retry is the same work and fails again. "
+                "Halve what the largest micro-batch used.")
+    if sizes[1] and sizes[1] >= 300:
+        return f"After an out-of-memory error its token cap is {sizes[1]}, no smaller than the 300 that failed."
+    if fn((8, None), [_rows_of_lengths(10, 10, 10, 10)], 0, 3, 0.8, None)[1][0] >= 4:
+        return "After an out-of-memory error the rows per micro-batch did not shrink below the 4 that failed."
+    if fn((None, 400), [_rows_of_lengths(100), _rows_of_lengths(50)], 0, 3, 0.8, None)[0] == "oom_halve":
+        return "It halves when every micro-batch is a single row: halving cannot make a row shorter; cut the rows."
+    if fn((4, None), [_rows_of_lengths(10, 10)], 3, 3, 0.8, None)[0] == "oom_halve":
+        return "It halves again after max_retries halvings: then the rows are cut instead."
+    return None
+
+
+@region("after_oom", "while halvings < max_retries and some micro-batch has more than one row: halve each size that is "
+        "set, from what the largest such micro-batch used (its rows; its rows x longest row), never below 1. "
+        "Otherwise cut: seq_len becomes seq_cut times the longest row of the step (as cut now).",
+        fallback=lambda fn: B.after_oom, probes=(_after_oom_mistake,))
+def _compare_after_oom(fn: Callable, g: torch.Generator) -> None:
+    for k in range(120):
+        seq_len = None if k % 3 == 0 else _int(g, 8, 256)
+        single = k % 5 == 0  # every micro-batch a single row: only a cut can help
+        micro = [_rows_of_lengths(*(_int(g, 1, 300) for _ in range(1 if single else _int(g, 1, 6))))
+                 for _ in range(_int(g, 1, 4))]
+        used_rows = max(map(len, micro))
+        used_tokens = max(len(mb) * max(B.row_length(s, seq_len) for s in mb) for mb in micro)
+        sizes = _pick(g, ((used_rows + _int(g, 0, 8), None), (None, used_tokens + _int(g, 0, 2000)),
+                          (used_rows + _int(g, 0, 4), used_tokens + _int(g, 0, 500))))
+        max_retries = _int(g, 0, 4)
+        args = (sizes, micro, _int(g, 0, max_retries), max_retries, _pick(g, (0.5, 0.8, 0.9)), seq_len)
+        shown = [[len(s["input_ids"]) for s in mb] for mb in micro]
+        call = (f"after_oom(sizes={sizes}, micro-batches of row lengths {shown}, halvings={args[2]}, max_retries="
+                f"{max_retries}, seq_cut={args[4]}, seq_len={seq_len})")
+        first_item_difference(f"(kind, sizes, seq_len) of {call}", tuple(fn(*args)), B.after_oom(*args))
+
+
+def _memory_check_mistake(fn: Callable) -> str | None:
+    if fn(0.45, (None, 500), (None, 1000), 100, 256, 256)[0] == "grow":
+        return ("It grew the micro-batch while the rows were still cut after an out-of-memory error (asked at a "
+                "peak of 45% with rows cut from 256 to 100 tokens, where 45% x 256/100 passes high water): the cut "
+                "sequence length comes back first, and until it can, nothing grows.")
+    if fn(0.45, (1, None), (8, None), 256, 256, None)[0] == "grow":
+        return ("It grows 1 row to 2 at a peak of 45%: that predicts 90%, above high water. Grow only if the peak "
+                "scaled by the growth stays under high water.")
+    if (out := fn(0.2, (None, 900), (None, 1000), 256, 256, None)[1]) != (None, 1000):
+        return f"From 900 tokens at a peak of 20% (start 1000) it went to {out[1]}: growth stops at the start size."
+    if fn(0.9, (1, None), (8, None), 256, 256, None)[0] == "shrink":
+        return "It shrinks a micro-batch of 1 row: there is nothing left to shrink."
+    if fn(0.3, (None, 500), (None, 1000), 163, 256, 256)[0] != "grow_seq_len":
+        return "At a peak of 30% with rows cut from 256 to 163 it did not bring the sequence length back first."
+    return None
+
+
+@region("memory_check", "above high_water (and some size above 1): shrink every set size by the factor shrink. Below "
+        "low_water with rows cut (uncut_len): bring seq_len back to its start if the peak scaled by uncut_len / "
+        "seq_len stays under high_water, else change nothing. Below low_water otherwise: grow every set size by "
+        "1 / shrink, rounded, at least by one and at most to its start, if the peak scaled by the largest growth "
+        "stays under high_water. Anything else: no change.", fallback=lambda fn: B.memory_check,
+        probes=(_memory_check_mistake,))
+def _compare_memory_check(fn: Callable, g: torch.Generator) -> None:
+    for k in range(200):
+        high = _pick(g, (0.8, 0.9, 0.7))
+        low, shrink = high * _pick(g, (0.625, 0.5)), _pick(g, (0.8, 0.5, 0.75))
+        start = _pick(g, ((_int(g, 1, 32), None), (None, _int(g, 64, 4096)), (_int(g, 1, 32), _int(g, 64, 4096))))
+        sizes = tuple(s and _int(g, 1, min(s, 3) if k % 3 == 0 else s) for s in start)  # 1 to 3: growth doubles
+        seq_len_start = _int(g, 16, 512)
+        cut = k % 2 == 0  # rows cut after an out-of-memory error: uncut_len set, seq_len below it
+        seq_len, uncut = (_int(g, 8, seq_len_start - 1), seq_len_start) if cut else (seq_len_start, None)
+        r = float(torch.rand((), generator=g))  # the peak: anywhere, below low water, or just below it
+        frac = r * 1.2 if k % 4 < 2 else r * low if k % 4 == 2 else low * (0.7 + 0.3 * r)
+        args = (frac, sizes, start, seq_len, seq_len_start, uncut, high, low, shrink)
+        call = (f"memory_check(frac={frac:.4f}, sizes={sizes}, start_sizes={start}, seq_len={seq_len}, seq_len_start="
+                f"{seq_len_start}, uncut_len={uncut}, high_water={high}, low_water={low:g}, shrink={shrink})")
+        first_item_difference(f"(kind, sizes, seq_len, uncut_len) of {call}", tuple(fn(*args)), B.memory_check(*args))
+
+
+# ======================================================================================================================
 # 09_beyond_one_gpu: the split, the global token count, no_sync, the memory of a rank
 # ======================================================================================================================
 import contextlib  # noqa: E402  (this section's own imports: the chapters' sections stay apart)
