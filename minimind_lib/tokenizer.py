@@ -125,10 +125,10 @@ def check_turn_extras(turn: dict, where: str) -> None:
 
 
 def chat_pieces(messages: Sequence[dict], tools: Sequence[dict] | None = None, add_generation_prompt: bool = False,
-                think: bool = False, open_thinking: bool = False, empty_think: bool = True) -> list[tuple[str, bool]]:
+                think: bool = False, open_thinking: bool = False) -> list[tuple[str, bool]]:
     """The chat template as (text, is_content) pieces: ChatML, plus MiniMind-3's tools block, tool turns (inside a user
-    turn), <tool_call>s and <think> blocks (on every assistant turn when think, else only where reasoning is given;
-    empty_think=False leaves out the empty ones). open_thinking: the generation prompt opens a <think> block."""
+    turn), <tool_call>s and <think> blocks (on every assistant turn when think, else only where reasoning is given).
+    open_thinking: the generation prompt opens a <think> block."""
     out = []
     if tools:  # the first system message, if any, goes inside the tools block
         system = [p for m in messages[:1] if m["role"] == "system" for p in ((m["content"] or "", True), ("\n\n", False))]
@@ -149,8 +149,7 @@ def chat_pieces(messages: Sequence[dict], tools: Sequence[dict] | None = None, a
             if reasoning is None and "</think>" in content:  # inline thoughts, as MiniMind-3 reads them
                 reasoning, content = content.split("</think>")[0].split("<think>")[-1], content.split("</think>")[-1]
                 content = content.lstrip("\n")  # before the test for empty content below, as MiniMind-3 does
-            if (reasoning := (reasoning or "").strip("\n")) or empty_think:
-                out += [("<think>\n", False), (reasoning, True), ("\n</think>\n\n", False)]
+            out += [("<think>\n", False), ((reasoning or "").strip("\n"), True), ("\n</think>\n\n", False)]
         out.append((content.lstrip("\n") if thinks else content, True))
         for k, call in enumerate(m.get("tool_calls") or []):
             call = call.get("function", call)  # OpenAI nests {"function": {"name", "arguments"}}
@@ -301,11 +300,10 @@ class Tokenizer:
         return [self.decode(ids, skip_special_tokens) for ids in batch]
 
     def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = False, tokenize: bool = False,
-                            tools: Sequence[dict] | None = None, open_thinking: bool = False,
-                            empty_think: bool = True) -> str | list[int]:
+                            tools: Sequence[dict] | None = None, open_thinking: bool = False) -> str | list[int]:
         """ChatML: '<|im_start|>role\\ncontent<|im_end|>\\n' per message, + MiniMind-3's fields (see chat_pieces)."""
         check_messages(messages)
-        pieces = chat_pieces(messages, tools, add_generation_prompt, self.think, open_thinking, empty_think)
+        pieces = chat_pieces(messages, tools, add_generation_prompt, self.think, open_thinking)
         return self._chat_ids(pieces) if tokenize else "".join(text for text, _ in pieces)
 
     def _chat_ids(self, pieces: list[tuple[str, bool]]) -> list[int]:
