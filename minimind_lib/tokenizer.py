@@ -289,15 +289,11 @@ class Tokenizer:
         """Text of token ids (accepts lists, tensors, arrays); out-of-range ids are an error, never dropped."""
         ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
         if ids and isinstance(ids[0], list):
-            raise ValueError("decode takes one sequence of ids; use decode_batch for a batch")
+            raise ValueError("decode takes one sequence of ids; decode a batch row by row")
         for i, t in enumerate(ids):
             if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < self.vocab_size:
                 raise ValueError(f"ids[{i}]={t!r} is not a token id (vocab_size={self.vocab_size})")
         return self.hf.decode([int(t) for t in ids], skip_special_tokens=skip_special_tokens)
-
-    def decode_batch(self, batch: Iterable[Iterable[int]], skip_special_tokens: bool = False) -> list[str]:
-        """decode() for each sequence of a batch."""
-        return [self.decode(ids, skip_special_tokens) for ids in batch]
 
     def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = False, tokenize: bool = False,
                             tools: Sequence[dict] | None = None, open_thinking: bool = False) -> str | list[int]:
