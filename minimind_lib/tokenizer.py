@@ -161,48 +161,6 @@ def chat_pieces(messages: Sequence[dict], tools: Sequence[dict] | None = None, a
     return out + ([(f"{IM_START}assistant\n" + thought, False)] if add_generation_prompt else [])
 
 
-def train_bpe(texts: Iterable[str], vocab_size: int = DEFAULT_VOCAB_SIZE,
-              show_progress: bool = False) -> tokenizers.Tokenizer:
-    """MiniMind's byte-level BPE trained on texts (deterministic: same texts, same tokenizer.json)."""
-    if vocab_size <= len(SPECIAL_TOKENS) + 256:
-        raise ValueError(f"vocab_size={vocab_size} leaves no room for merges: it must exceed "
-                         f"{len(SPECIAL_TOKENS) + 256} (3 special tokens + 256 bytes)")
-    hf = tokenizers.Tokenizer(models.BPE())
-    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=show_progress,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    hf.train_from_iterator(texts, trainer=trainer)
-    hf.decoder = decoders.ByteLevel()
-    got = hf.get_vocab_size(with_added_tokens=True)
-    if got != vocab_size:
-        raise ValueError(f"the corpus is too small for vocab_size={vocab_size}: BPE ran out of pairs to "
-                         f"merge at {got} tokens; give it more text or ask for vocab_size<={got}")
-    assert [hf.token_to_id(name) for name in SPECIAL_TOKENS] == [0, 1, 2]  # MiniMind's train_tokenizer.py asserts it
-    return hf
-
-
-def read_directory(directory: Path) -> tuple[tokenizers.Tokenizer, dict]:
-    """tokenizer.json and tokenizer_config.json of a directory, each error naming the file at fault."""
-    if not directory.is_dir():
-        raise FileNotFoundError(f"tokenizer directory {directory} does not exist (it should hold "
-                                f"{TOKENIZER_FILE} and {CONFIG_FILE})")
-    tok_path, cfg_path = directory / TOKENIZER_FILE, directory / CONFIG_FILE
-    for p in (tok_path, cfg_path):
-        if not p.is_file():
-            raise FileNotFoundError(f"{p} not found: a tokenizer directory needs {TOKENIZER_FILE} and {CONFIG_FILE}")
-    try:
-        hf = tokenizers.Tokenizer.from_file(str(tok_path))
-    except Exception as e:  # tokenizers raises a bare Exception with a serde message
-        raise ValueError(f"{tok_path}: not a valid tokenizers file ({e})") from None
-    try:
-        config = json.loads(cfg_path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{cfg_path}: invalid JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"{cfg_path}: must hold a JSON object, got {type(config).__name__}")
-    return hf, config
-
-
 class Tokenizer:
     """A byte-level BPE tokenizer (a `tokenizers.Tokenizer`) plus MiniMind's special tokens and chat template."""
 
@@ -228,14 +186,46 @@ class Tokenizer:
     @classmethod
     def train(cls, texts: Iterable[str], vocab_size: int = DEFAULT_VOCAB_SIZE,
               show_progress: bool = False) -> Tokenizer:
-        """Train MiniMind's byte-level BPE on texts (see train_bpe)."""
-        return cls(train_bpe(texts, vocab_size, show_progress))
+        """MiniMind's byte-level BPE trained on texts (deterministic: same texts, same tokenizer.json)."""
+        if vocab_size <= len(SPECIAL_TOKENS) + 256:
+            raise ValueError(f"vocab_size={vocab_size} leaves no room for merges: it must exceed "
+                             f"{len(SPECIAL_TOKENS) + 256} (3 special tokens + 256 bytes)")
+        hf = tokenizers.Tokenizer(models.BPE())
+        hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=show_progress,
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+        hf.train_from_iterator(texts, trainer=trainer)
+        hf.decoder = decoders.ByteLevel()
+        got = hf.get_vocab_size(with_added_tokens=True)
+        if got != vocab_size:
+            raise ValueError(f"the corpus is too small for vocab_size={vocab_size}: BPE ran out of pairs to "
+                             f"merge at {got} tokens; give it more text or ask for vocab_size<={got}")
+        assert [hf.token_to_id(name) for name in SPECIAL_TOKENS] == [0, 1, 2]  # MiniMind's train_tokenizer.py too
+        return cls(hf)
 
     @classmethod
     def load(cls, directory: str | Path | None = None) -> Tokenizer:
-        """Read a tokenizer directory (ours or MiniMind's); default: the bundled asset."""
-        directory = Path(DEFAULT_DIR if directory is None else directory)
-        return cls(*read_directory(directory), source=directory)
+        """Read a tokenizer directory (ours or MiniMind's; default: minimind_lib/assets/tokenizer, the committed
+        6400-token asset), each error naming the file at fault."""
+        if not (directory := Path(DEFAULT_DIR if directory is None else directory)).is_dir():
+            raise FileNotFoundError(f"tokenizer directory {directory} does not exist (it should hold "
+                                    f"{TOKENIZER_FILE} and {CONFIG_FILE})")
+        tok_path, cfg_path = directory / TOKENIZER_FILE, directory / CONFIG_FILE
+        for p in (tok_path, cfg_path):
+            if not p.is_file():
+                raise FileNotFoundError(f"{p} not found: a tokenizer directory needs {TOKENIZER_FILE} and "
+                                        f"{CONFIG_FILE}")
+        try:
+            hf = tokenizers.Tokenizer.from_file(str(tok_path))
+        except Exception as e:  # tokenizers raises a bare Exception with a serde message
+            raise ValueError(f"{tok_path}: not a valid tokenizers file ({e})") from None
+        try:
+            config = json.loads(cfg_path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{cfg_path}: invalid JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
+        if not isinstance(config, dict):
+            raise ValueError(f"{cfg_path}: must hold a JSON object, got {type(config).__name__}")
+        return cls(hf, config, source=directory)
 
     def save(self, directory: str | Path) -> Path:
         """Write tokenizer.json and tokenizer_config.json (MiniMind's layout) into directory; returns it."""
@@ -315,9 +305,7 @@ class Tokenizer:
         return ids + self._plain.encode(text, add_special_tokens=False).ids
 
 
-def load_tokenizer(directory: str | Path | None = None) -> Tokenizer:
-    """Load a tokenizer directory (default: minimind_lib/assets/tokenizer, the committed 6400-token asset)."""
-    return Tokenizer.load(directory)
+load_tokenizer = Tokenizer.load  # load_tokenizer(directory=None): the name callers use
 
 
 def check_vocab(tokenizer: Tokenizer, vocab_size: int) -> None:
