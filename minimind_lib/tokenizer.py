@@ -47,8 +47,9 @@ def default_config(hf: tokenizers.Tokenizer, model_max_length: int = 32768) -> d
             "tokenizer_class": "PreTrainedTokenizerFast", "unk_token": ENDOFTEXT, "chat_template": CHAT_TEMPLATE}
 
 
-def check_added_tokens(hf: tokenizers.Tokenizer, config: dict, where: Path) -> None:
-    """Refuse a config whose added_tokens_decoder disagrees with tokenizer.json (ids are read, not assumed)."""
+def token_ids(hf: tokenizers.Tokenizer, config: dict, where: Path) -> dict[str, int]:
+    """Ids of the config's bos/eos/pad/unk tokens and of SPECIAL_TOKENS, each checked against tokenizer.json, as is
+    every entry of its added_tokens_decoder (ids are read, not assumed)."""
     decoder = config.get("added_tokens_decoder", {})
     if not isinstance(decoder, dict):
         raise ValueError(f"{where}: added_tokens_decoder must be an object, got {type(decoder).__name__}")
@@ -59,10 +60,6 @@ def check_added_tokens(hf: tokenizers.Tokenizer, config: dict, where: Path) -> N
         if hf.token_to_id(content) != int(key):
             raise ValueError(f"{where}: added_tokens_decoder says {content!r} has id {key} "
                              f"but {TOKENIZER_FILE} gives it id {hf.token_to_id(content)}")
-
-
-def token_ids(hf: tokenizers.Tokenizer, config: dict, where: Path) -> dict[str, int]:
-    """Ids of the config's bos/eos/pad/unk tokens and of SPECIAL_TOKENS, each checked against tokenizer.json."""
     ids = {}
     for key in ROLE_KEYS:
         if key not in config:
@@ -169,7 +166,6 @@ class Tokenizer:
         self.source = Path(source) if source is not None else None
         self.config = dict(config) if config is not None else default_config(hf)
         where = self.source / CONFIG_FILE if self.source is not None else Path("<tokenizer_config>")
-        check_added_tokens(hf, self.config, where)
         ids = token_ids(hf, self.config, where)
         self.bos_token_id, self.eos_token_id, self.pad_token_id, self.unk_token_id = (ids[k] for k in ROLE_KEYS)
         self.endoftext_id, self.im_start_id, self.im_end_id = (ids[name] for name in SPECIAL_TOKENS)
