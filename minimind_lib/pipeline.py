@@ -166,11 +166,10 @@ def _inputs(s: RunSettings, prof: Profile, device: torch.device) -> tuple[Any, M
     if device.type in ("cuda", "mps") and not getattr(torch, device.type).is_available():
         raise RunError(f"device {device} is not available on this machine (torch {torch.__version__}); pass "
                        f"--device cpu or leave --device out to use the best one present")
-    if not s.data.is_file():
-        raise FileNotFoundError(f"data file not found: {s.data}" + (" (a directory, not a jsonl file)"
-                                                                    if s.data.is_dir() else ""))
-    if s.val_data is not None and not Path(s.val_data).is_file():
-        raise FileNotFoundError(f"validation data file not found: {s.val_data}")
+    for what, path in (("data", s.data), ("validation data", s.val_data)):
+        if path is not None and not Path(path).is_file():
+            raise FileNotFoundError(f"{what} file not found: {path}"
+                                    + (" (a directory, not a jsonl file)" if Path(path).is_dir() else ""))
     if s.stage == "sft":
         if s.init is None:
             raise RunError("sft needs --init DIR, the pretraining run directory to start from")
