@@ -137,7 +137,7 @@ def with_mistake(chapter_name: str, name: str, right: str, wrong: str) -> str:
 
 # Planted mistakes: chapter, region, the region's body as a learner might write it, what the check's message must
 # name. A chapter owner adds a row per usual mistake of the chapter's regions (04: accumulation averaging per
-# micro-batch; 08: top-p keeping the wrong side).
+# micro-batch; 08: top-p keeping the wrong side, below).
 PLANTED = [
     ("01_tokenizer", "get_stats", "flat = [i for ids in words for i in ids]\nreturn Counter(zip(flat, flat[1:]))",
      r"counts a pair across two words"),
@@ -171,6 +171,20 @@ PLANTED = [
      r"neighbouring dimensions"),
     ("03_model", "Attention.forward", ATTENTION_WITHOUT_MASK, r"causal mask"),
     ("03_model", "repeat_kv", "return x.repeat(1, 1, n_rep, 1)", r"h // n_rep"),
+    ("07_pretrain", "my_verdict", with_mistake("07_pretrain", "my_verdict",
+                                               "val = val[val[\"tokens_seen\"] <= 1.1 * tokens[-1]]\n", ""),
+     r"past 1\.1 x the band's last token count"),
+    ("07_pretrain", "total_nats", with_mistake("07_pretrain", "total_nats", 'reduction="sum"', 'reduction="mean"'),
+     r"mean loss per token"),
+    ("07_pretrain", "bits_per_byte", "return nats / (math.log(2) * len(text))", r"divides by the characters"),
+    ("08_sft", "assistant_mask_of", with_mistake("08_sft", "assistant_mask_of", "mask[k] = 1  # <|im_end|>",
+                                                 "pass  # <|im_end|>"), r"<\|im_end\|> that closes a reply untrained"),
+    ("08_sft", "my_generate", with_mistake("08_sft", "my_generate", "if use_cache:  # only", "if False:  # only"),
+     r"runs the whole sequence again at every step"),
+    ("08_sft", "keep_top_p", with_mistake("08_sft", "keep_top_p", "probs.cumsum(-1) - probs >= top_p",
+                                          "probs.cumsum(-1) - probs < top_p"), r"keeps the wrong side"),
+    ("08_sft", "keep_top_p", with_mistake("08_sft", "keep_top_p", "probs.cumsum(-1) - probs >= top_p",
+                                          "probs.cumsum(-1) > top_p"), r"drops the token that carries the sum past p"),
 ]
 
 
