@@ -74,8 +74,8 @@ from minimind_lib.model import MiniMindConfig, MiniMindForCausalLM, count_parame
 from minimind_lib.paths import DATA_DIR
 from minimind_lib.profiles import get_profile
 from minimind_lib.tokenizer import load_tokenizer
-from minimind_lib.train import (TrainConfig, accumulate_step, build_optimizer, forward_logits, lr_at, make_scaler,
-                                optimizer_step, resolve_amp)
+from minimind_lib.train import (TrainConfig, accumulate_step, build_optimizer, forward_logits, lr_at, optimizer_step,
+                                resolve_amp)
 
 from .baseline import BaselineRecipe, minimind_rows
 STRATEGIES = ("budget", "pack")
@@ -299,7 +299,7 @@ class OursRecipe:
         self.model, self.device = model, device
         self.cfg = TrainConfig(lr=lr, max_steps=max(1, total_steps), warmup_steps=1, progress=False, amp=amp)
         self.amp = resolve_amp(self.cfg.amp, device, model.config.hidden_size)
-        self.scaler = make_scaler(self.amp, device)
+        self.scaler = torch.amp.GradScaler(device.type) if self.amp.use_scaler else None
         self.optimizer, self.optimizer_impl = make_optimizer(model, self.cfg, device, fused)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.step = 0

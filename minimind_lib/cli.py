@@ -52,8 +52,7 @@ def device(text: str) -> str:
 
 
 def _add_train_args(p: argparse.ArgumentParser, stage: str) -> None:
-    p.add_argument("--data", default=None, help=f"jsonl file (default: data/{'pretrain' if stage == 'pretrain' else 'sft'}.jsonl); "
-                   "MiniMind's own files work unchanged")
+    p.add_argument("--data", default=None, help=f"jsonl file (default: data/{stage}.jsonl); MiniMind's own files work")
     p.add_argument("--out", required=True, help="run directory to write (config.json, model.pth, tokenizer/, metrics.csv, last.pt)")
     p.add_argument("--profile", default=None, help="sizes from this profile: smoke, workshop, cpu, gpu (default: MINIMIND_PROFILE or auto)")
     if stage == "pretrain":
@@ -82,6 +81,7 @@ def _add_train_args(p: argparse.ArgumentParser, stage: str) -> None:
     p.add_argument("--allow-skipped-steps", action="store_true", help="exit 0 despite skipped steps (still reported)")
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.set_defaults(func=cmd_train)
 
 
 def _train_kwargs(args: argparse.Namespace) -> dict:
@@ -162,12 +162,9 @@ def add_subcommands(subparsers) -> None:
     i.add_argument("--profile", default=None, help="profile name (default: MINIMIND_PROFILE or auto)")
     i.add_argument("--compact", action="store_true", help="one-line JSON")
     i.set_defaults(func=cmd_info)
-    p = subparsers.add_parser("pretrain", help="pretrain a MiniMind model on a {'text'} jsonl file")
-    _add_train_args(p, "pretrain")
-    p.set_defaults(func=cmd_train)
-    s = subparsers.add_parser("sft", help="supervised fine-tuning on a {'conversations'} jsonl file")
-    _add_train_args(s, "sft")
-    s.set_defaults(func=cmd_train)
+    for stage, what in (("pretrain", "pretrain a MiniMind model on a {'text'} jsonl file"),
+                        ("sft", "supervised fine-tuning on a {'conversations'} jsonl file")):
+        _add_train_args(subparsers.add_parser(stage, help=what), stage)
     c = subparsers.add_parser("chat", help="chat with a trained run directory")
     c.add_argument("--ckpt", required=True, help="a run directory (config.json, model.pth, tokenizer/)")
     c.add_argument("--prompt", default=None, help="answer this one prompt and exit")

@@ -11,7 +11,6 @@ import itertools
 import json
 import multiprocessing
 import os
-import random
 import time
 import unittest.mock
 import warnings
@@ -31,12 +30,6 @@ PAYLOAD = {"pretrain": "text", "sft": "conversations"}  # the key of a record th
 ON_ERROR = ("raise", "skip")
 MEMMAP_FORMAT_VERSION = 2  # 2: SFT masks train the "\n" after <|im_end|> (MiniMind-3's tokens); older caches rebuild
 MAX_UINT16_VOCAB = 65535  # uint16 stores ids 0..65535, so a vocab of at most 65536 entries; we keep one margin id
-SYSTEM_PROMPTS = (  # MiniMind-3's pool for its SFT augmentation (augment_minimind3)
-    "你是一个知识丰富的AI，尽力为用户提供准确的信息。", "你是minimind，一个小巧但有用的语言模型。", "你是一个专业的AI助手，请提供有价值的回答。",
-    "你是minimind，请尽力帮助用户解决问题。", "你是一个可靠的AI，请给出准确的回答。", "You are a helpful AI assistant.",
-    "You are minimind, a lightweight intelligent assistant.", "You are minimind, a small but useful language model.",
-    "You are a friendly chatbot. Please answer the user's questions carefully.",
-    "You are a knowledgeable AI. Try your best to provide accurate information.")
 
 
 class DataFormatError(ValueError):
@@ -226,24 +219,13 @@ def tools_of(conv: list[dict]) -> list:
     return tools or []
 
 
-def augment_minimind3(conversations: list[dict], rng: random.Random) -> tuple[list[dict], bool]:
-    """MiniMind-3's SFT augmentation, drawn from rng: one of its SYSTEM_PROMPTS put first in 20% of the conversations
-    that have no system turn and no tools; and whether to keep the empty <think> blocks (in 20%, so 80% lose them)."""
-    if conversations[0]["role"] != "system" and not any(t.get("tools") or t.get("functions") for t in conversations):
-        if rng.random() < 0.2:
-            conversations = [{"role": "system", "content": rng.choice(SYSTEM_PROMPTS)}, *conversations]
-    return conversations, rng.random() <= 0.2
-
-
-def encode_sft(tokenizer, conversations: list[dict], rng: random.Random | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """An SFT sample: the chat template's ids (int64) and assistant mask (uint8), untruncated; rng: augment_minimind3."""
-    conversations, empty_think = augment_minimind3(conversations, rng) if rng is not None else (conversations, True)
+def encode_sft(tokenizer, conversations: list[dict]) -> tuple[np.ndarray, np.ndarray]:
+    """An SFT sample: the chat template's ids (int64) and assistant mask (uint8), untruncated."""
     messages = [{k: json_field(t[k], k) if k == "tool_calls" else t[k] for k in ("role", "content", "reasoning_content",
                  "tool_calls") if k in t and (k == "content" or t[k] is not None)} for t in conversations]
     tools = tools_of(conversations) or None
     # tokenize=True: the template's structure comes from ids, so "<|im_end|>" typed inside content stays text
-    extra = {} if empty_think else {"empty_think": False}  # only the course's Tokenizer knows the argument
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=False, tokenize=True, tools=tools, **extra)
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=False, tokenize=True, tools=tools)
     if isinstance(ids, str):  # a tokenizer whose template only renders text
         ids = tokenizer.encode(ids, add_special_tokens=False)
     ids = np.asarray(ids, dtype=np.int64)
@@ -259,17 +241,14 @@ def _init_worker(tokenizer) -> None:
     _WORKER["tok"] = tokenizer
 
 
-def tokenize_samples(kind: str, payloads: list, tokenizer=None, augment_seed: int | None = None,
-                     start: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """Flat int64 ids, per-sample lengths and (SFT) uint8 trained-token mask of the samples `start`, `start` + 1, ..."""
+def tokenize_samples(kind: str, payloads: list, tokenizer=None) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """Flat int64 ids, per-sample lengths and (SFT) uint8 trained-token mask of the samples `payloads`."""
     tok = tokenizer if tokenizer is not None else _WORKER["tok"]
     if kind == "pretrain":  # the Rust tokenizer encodes a batch in parallel
         encoded = tok.encode_batch(payloads) if hasattr(tok, "encode_batch") else [tok.encode(t, add_special_tokens=False) for t in payloads]
         seqs, masks = [[tok.bos_token_id, *ids, tok.eos_token_id] for ids in encoded], None
     else:
-        # with augment_seed, sample i draws from a Random of its own: the same draws whatever the workers and chunks
-        rng = lambda k: None if augment_seed is None else random.Random(f"{augment_seed}:{start + k}")  # noqa: E731
-        seqs, masks = zip(*[encode_sft(tok, c, rng(k)) for k, c in enumerate(payloads)]) if payloads else ([], [])
+        seqs, masks = zip(*[encode_sft(tok, c) for c in payloads]) if payloads else ([], [])
     lengths = np.asarray([len(s) for s in seqs], dtype=np.int64)
     flat = np.fromiter(itertools.chain.from_iterable(seqs), dtype=np.int64, count=int(lengths.sum()))
     return flat, lengths, (np.concatenate([np.zeros(0, np.uint8), *masks]) if kind == "sft" else None)
@@ -280,20 +259,19 @@ def tokenizers_parallelism_off() -> contextlib.AbstractContextManager:
     return unittest.mock.patch.dict(os.environ, {"TOKENIZERS_PARALLELISM": "false"})  # restored on exit
 
 
-def tokenize_reader(reader: JsonlReader, tokenizer, chunk_size: int, num_workers: int,
-                    augment_seed: int | None = None) -> Iterator[tuple]:
+def tokenize_reader(reader: JsonlReader, tokenizer, chunk_size: int, num_workers: int) -> Iterator[tuple]:
     """tokenize_samples of the reader's samples, chunk by chunk in file order, here or in `num_workers` processes."""
     payloads = (record[PAYLOAD[reader.kind]] for record in reader)
-    chunks = enumerate(iter(lambda: list(itertools.islice(payloads, chunk_size)), []))
+    chunks = iter(lambda: list(itertools.islice(payloads, chunk_size)), [])
     if num_workers == 0:
-        yield from (tokenize_samples(reader.kind, c, tokenizer, augment_seed, k * chunk_size) for k, c in chunks)
+        yield from (tokenize_samples(reader.kind, c, tokenizer) for c in chunks)
         return
     with tokenizers_parallelism_off():
         pool = multiprocessing.get_context().Pool(num_workers, initializer=_init_worker, initargs=(tokenizer,))
     try:  # a bounded number of chunks in flight: Pool.imap would read the whole file ahead into memory
         pending: collections.deque = collections.deque()
-        for k, chunk in chunks:
-            pending.append(pool.apply_async(tokenize_samples, (reader.kind, chunk, None, augment_seed, k * chunk_size)))
+        for chunk in chunks:
+            pending.append(pool.apply_async(tokenize_samples, (reader.kind, chunk)))
             if len(pending) >= 2 * num_workers:
                 yield pending.popleft().get()
         while pending:
@@ -339,24 +317,22 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return h.hexdigest()[:16]
 
 
-def _cache_key(jsonl_path: str | os.PathLike, tokenizer, kind: str, max_samples: int | None, on_error: str,
-               augment_seed: int | None = None) -> dict:
+def _cache_key(jsonl_path: str | os.PathLike, tokenizer, kind: str, max_samples: int | None, on_error: str) -> dict:
     """What a cache was built from; a cache whose key differs from the current one is stale and rebuilt."""
     return {"format": "minimind-memmap", "version": MEMMAP_FORMAT_VERSION, "kind": kind,  # the resume check's hash:
             "source": {"path": str(Path(jsonl_path).resolve()), **file_fingerprint(jsonl_path)},  # they agree
             "tokenizer": {"fingerprint": tokenizer_fingerprint(tokenizer), "vocab_size": int(tokenizer.vocab_size)},
-            "max_samples": max_samples, "on_error": on_error, "augment_seed": augment_seed}
+            "max_samples": max_samples, "on_error": on_error}
 
 
 def memmap_is_fresh(out_prefix: str | os.PathLike, jsonl_path: str | os.PathLike, tokenizer, kind: str = "pretrain",
-                    max_samples: int | None = None, on_error: str = "raise",
-                    augment_seed: int | None = None) -> tuple[bool, str]:
+                    max_samples: int | None = None, on_error: str = "raise") -> tuple[bool, str]:
     """(fresh, reason): whether the memmap at out_prefix matches this source file, tokenizer and settings."""
     try:
         meta = read_memmap_meta(str(out_prefix))
     except (OSError, ValueError) as e:  # no cache yet, unreadable, or of another format (JSONDecodeError: ValueError)
         return False, str(e)
-    for key, value in _cache_key(jsonl_path, tokenizer, kind, max_samples, on_error, augment_seed).items():
+    for key, value in _cache_key(jsonl_path, tokenizer, kind, max_samples, on_error).items():
         if meta.get(key) != value:
             return False, f"{key} changed (cache: {meta.get(key)!r:.120}, now: {value!r:.120})"
     sizes = {".bin": 2 * meta["n_tokens"], ".idx.npy": None, **({".mask.bin": meta["n_tokens"]} if kind == "sft" else {})}
@@ -377,26 +353,24 @@ def default_num_workers(n_bytes: int, kind: str = "pretrain", cores: int | None 
 def tokenize_to_memmap(jsonl_path: str | os.PathLike, tokenizer, out_prefix: str | os.PathLike,
                        num_workers: int | None = None, kind: str = "pretrain", chunk_size: int = 512,
                        on_error: str = "raise", max_samples: int | None = None, force: bool = False,
-                       progress: bool = True, augment_seed: int | None = None) -> MemmapInfo:
+                       progress: bool = True) -> MemmapInfo:
     """Tokenize a jsonl file once, in `num_workers` processes (0: here), into `<prefix>.bin` (uint16 ids), `.idx.npy`
     (offsets), `.mask.bin` (SFT) and `.json` (last: a finished cache); reused while the source (size, SHA-1), the
-    tokenizer and the settings are unchanged; augment_seed (SFT): drawn once per sample."""
+    tokenizer and the settings are unchanged."""
     reader = JsonlReader(jsonl_path, on_error=on_error, kind=kind, max_samples=max_samples)
-    if augment_seed is not None and kind != "sft":
-        raise ValueError(f"augment_seed is MiniMind-3's SFT augmentation; a {kind} file has no conversations")
     if int(tokenizer.vocab_size) > MAX_UINT16_VOCAB:
         raise ValueError(f"tokenizer vocab_size={tokenizer.vocab_size} does not fit uint16 token files "
                          f"(max {MAX_UINT16_VOCAB}); this memmap format is for small vocabularies like MiniMind's 6400")
     prefix, t0 = str(out_prefix), time.perf_counter()
     num_workers = default_num_workers(os.path.getsize(jsonl_path), kind) if num_workers is None else int(num_workers)
-    reused = not force and memmap_is_fresh(prefix, jsonl_path, tokenizer, kind, max_samples, on_error, augment_seed)[0]
+    reused = not force and memmap_is_fresh(prefix, jsonl_path, tokenizer, kind, max_samples, on_error)[0]
     if not reused:
-        key = _cache_key(jsonl_path, tokenizer, kind, max_samples, on_error, augment_seed)
+        key = _cache_key(jsonl_path, tokenizer, kind, max_samples, on_error)
         Path(prefix + ".json").unlink(missing_ok=True)  # a half-rebuilt cache must never look finished
         offsets, max_id = [np.zeros(1, np.int64)], -1
         bar = tqdm(total=key["source"]["size"], unit="B", unit_scale=True, desc=f"tokenize {reader.path.name}",
                    disable=not progress)
-        chunks = tokenize_reader(reader, tokenizer, chunk_size, num_workers, augment_seed)
+        chunks = tokenize_reader(reader, tokenizer, chunk_size, num_workers)
         # atomic_open writes beside the target and renames on success: an error leaves no half-written file
         with bar, contextlib.closing(chunks), atomic_open(prefix + ".bin") as fbin, \
                 (atomic_open(prefix + ".mask.bin") if kind == "sft" else contextlib.nullcontext()) as fmask:

@@ -36,12 +36,17 @@ def _cpuinfo(prefixes: tuple[str, ...]) -> list[str] | None:
         return None
 
 
+def cpu_native_flags(dtype: torch.dtype) -> tuple[str, ...] | None:
+    """The CPU's /proc/cpuinfo flags that do `dtype` (bf16 or fp16) arithmetic in hardware (None: no /proc)."""
+    flags = _cpuinfo(("flags", "Features"))
+    return None if flags is None else tuple(sorted(set(" ".join(flags).split()) & _NATIVE_CPU_FLAGS[dtype]))
+
+
 @lru_cache(maxsize=None)
 def cpu_has_native(dtype: torch.dtype) -> bool:
     """Whether the CPU has arithmetic instructions for `dtype` (bf16 or fp16), from its /proc/cpuinfo flags."""
-    if (flags := _cpuinfo(("flags", "Features"))) is None:
-        return platform.machine() == "arm64"  # no /proc: Apple silicon has fp16, and bf16 from M2 on (a stated guess)
-    return bool({f for line in flags for f in line.split()} & _NATIVE_CPU_FLAGS[dtype])
+    flags = cpu_native_flags(dtype)  # None: no /proc (Apple silicon has fp16, and bf16 from M2 on: a stated guess)
+    return platform.machine() == "arm64" if flags is None else bool(flags)
 
 
 def device_name(device: torch.device) -> str:
@@ -93,9 +98,11 @@ def device_report(device: torch.device | None = None, profile: Any = None) -> di
 
 
 def describe(profile: Any = None, device: torch.device | None = None) -> str:
-    """One line naming device and profile (profiles.Profile), for a notebook's first cell and every figure title."""
+    """One line naming the device (a CPU with its bf16/fp16 instruction flags: notebook 05) and profile, for titles."""
     device, named = device or get_device(), f", profile={profile.name}" if profile is not None else ""
-    return f"{device.type} ({device_name(device)}){named}, torch {torch.__version__.split('+')[0]}"
+    flags = [cpu_native_flags(dt) for dt in (torch.bfloat16, torch.float16)] if device.type == "cpu" else [None]
+    isa = "" if None in flags else f"; {' '.join(flags[0] + flags[1]) or 'no bf16/fp16 instructions'}"
+    return f"{device.type} ({device_name(device)}{isa}){named}, torch {torch.__version__.split('+')[0]}"
 
 
 def synchronize(device: torch.device | str) -> None:

@@ -203,3 +203,4 @@ def fit_distributed(model: nn.Module, step_source: Any, cfg: Any, *, info: DistI
              controller=controller, callbacks=callbacks, resume_from=resume_from, is_main_process=info.is_main)
     df.attrs.update({"world_size": info.world_size, "backend": info.backend or "none", "rank": info.rank})
     return df
+

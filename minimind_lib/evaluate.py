@@ -52,9 +52,10 @@ def load_band(cfg: dict) -> tuple[dict, dict]:
     if (ref := band["stages"].get(stage)) is None:
         raise RunError(f"no reference band for profile {cfg.get('profile')!r}, stage {stage!r} (bands: "
                        f"{sorted(p.stem for p in BANDS_DIR.glob('*.json'))}; tools/make_reference.py makes one)")
-    if key := next((k for k, value in ref["comparable"].items() if comparable(cfg).get(k) != value), None):
+    mine = comparable(cfg)  # once: it may hash the validation file
+    if key := next((k for k, value in ref["comparable"].items() if mine.get(k) != value), None):
         raise RunError(f"{'a run of another tokenizer' if key == 'tokenizer' else f'{key} differs'}: this run has "
-                       f"{key} = {comparable(cfg).get(key)!r:.160}, the {band['profile']} band's runs had "
+                       f"{key} = {mine.get(key)!r:.160}, the {band['profile']} band's runs had "
                        f"{ref['comparable'][key]!r:.160}; no band covers this run, so no verdict")
     return band, ref
 

@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from .checkpoint import (MODEL_FILE, RUN_FILES, RUN_FORMAT, RUN_VERSION, TOKENIZER_DIR, RunError, check_other_files,
                          check_out_dir, check_state_dict, check_target, load_run, save_checkpoint, start_run_dir)
-from .corpus import tokenizer_fingerprint
+from .corpus import check_choice, tokenizer_fingerprint
 from .fileio import PREFIX, TMP_PREFIX, atomic_write_text, exclusive_dir
 from .model import YARN_SCALING, MiniMindConfig, MiniMindForCausalLM
 from .tokenizer import CONFIG_FILE as TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, check_vocab, load_tokenizer
@@ -62,8 +62,7 @@ def export_run(run_dir: str | Path, out_dir: str | Path, dtype: str = "fp32", ov
                allow_other_files: bool = False) -> Path:
     """Write a finished run as a transformers directory (config.json, model.safetensors, tokenizer); returns it.
     overwrite: replace an earlier export's files; allow_other_files: write beside files it did not write (kept)."""
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype={dtype!r}: choose one of {sorted(DTYPES)}")
+    check_choice("dtype", dtype, sorted(DTYPES))
     out = check_target(out_dir, "--to")
     model, tok, _ = load_run(run_dir)  # clear errors: not a run directory, no model.pth (unfinished), bad weights
     config = hf_config(model.config, tok, dtype)

@@ -393,7 +393,7 @@ class MiniMindForCausalLM(nn.Module):
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
-        # nanoGPT's init (normal, std 0.02): an untrained model predicts ~uniformly, loss ~ ln(vocab).
+        # GPT-2's N(0, 0.02) for every Linear and Embedding, without its scaled residual projections (notebook 03).
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 

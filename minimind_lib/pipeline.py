@@ -31,7 +31,7 @@ from .batching import AdaptiveBatchController, TokenBudgetBatchSampler, TokenBud
 from .checkpoint import (METRICS_FILE, MODEL_FILE, RUN_FORMAT, RUN_VERSION, SAMPLES_FILE, STATE_FILE, SUMMARY_FILE,
                          RunError, check_out_dir, check_resume, check_target, load_run, save_checkpoint, start_run_dir,
                          stop_on_signals)
-from .corpus import tokenizer_fingerprint
+from .corpus import check_choice, tokenizer_fingerprint
 from .data import LONG_DOCS_BY_KIND, holdout_split, memmap_dataset, pad_collate
 from .device import get_device, total_memory_bytes
 from .fileio import atomic_write_text, exclusive_dir, file_fingerprint
@@ -104,8 +104,7 @@ def run_dir_for(profile_name: str, stage: str) -> Path:
 
 def plan_run(profile: Any = None, stage: str = "pretrain") -> dict:
     """Sizes of a stage's run as the profile gives them (steps, accum_steps, max_tokens, eval_every), and why."""
-    if stage not in ("pretrain", "sft"):
-        raise ValueError(f"stage={stage!r}; choose 'pretrain' or 'sft'")
+    check_choice("stage", stage, ("pretrain", "sft"))
     prof = profile if isinstance(profile, Profile) else get_profile(profile)
     plan = {"steps": prof.pretrain_steps if stage == "pretrain" else prof.sft_steps, "accum_steps": prof.accum_steps,
             "max_tokens": prof.max_tokens, "eval_every": prof.eval_every}
@@ -126,9 +125,8 @@ def resolve_settings(s: RunSettings, prof: Profile) -> RunSettings:
     pre, given = s.stage == "pretrain", lambda value, default: default if value is None else value
     seq_len, eval_every = given(s.seq_len, prof.seq_len), given(s.eval_every, prof.eval_every)
     steps = given(s.steps, prof.pretrain_steps if pre else prof.sft_steps)
-    val_data = s.val_data
-    if pre and val_data is None and (DATA_DIR / "pretrain_val.jsonl").is_file():
-        val_data = DATA_DIR / "pretrain_val.jsonl"
+    default_val = DATA_DIR / "pretrain_val.jsonl"  # pretraining's held-out text, where the data folder has it
+    val_data = default_val if pre and s.val_data is None and default_val.is_file() else s.val_data
     r = replace(
         s, seq_len=seq_len, max_tokens=given(s.max_tokens, max(prof.max_tokens, seq_len)), steps=steps,
         accum_steps=given(s.accum_steps, prof.accum_steps), eval_every=eval_every, val_data=val_data,
@@ -168,11 +166,10 @@ def _inputs(s: RunSettings, prof: Profile, device: torch.device) -> tuple[Any, M
     if device.type in ("cuda", "mps") and not getattr(torch, device.type).is_available():
         raise RunError(f"device {device} is not available on this machine (torch {torch.__version__}); pass "
                        f"--device cpu or leave --device out to use the best one present")
-    if not s.data.is_file():
-        raise FileNotFoundError(f"data file not found: {s.data}" + (" (a directory, not a jsonl file)"
-                                                                    if s.data.is_dir() else ""))
-    if s.val_data is not None and not Path(s.val_data).is_file():
-        raise FileNotFoundError(f"validation data file not found: {s.val_data}")
+    for what, path in (("data", s.data), ("validation data", s.val_data)):
+        if path is not None and not Path(path).is_file():
+            raise FileNotFoundError(f"{what} file not found: {path}"
+                                    + (" (a directory, not a jsonl file)" if Path(path).is_dir() else ""))
     if s.stage == "sft":
         if s.init is None:
             raise RunError("sft needs --init DIR, the pretraining run directory to start from")
@@ -242,14 +239,14 @@ def _datasets(s: RunSettings, tok: Any, dinfo: Any, log: Callable[[str], None]) 
     log(f"{s.stage}: {s.data.name}: {ds.stats.summary()} "
         f"({'cache reused' if info.reused else f'tokenized in {info.seconds:.1f} s'})"
         + (f"; skipped {info.n_skipped} bad line(s), e.g. {info.skipped_examples[:3]}" if info.n_skipped else ""))
-    val, n_held_out = None, None
+    val_ds, n_held_out = None, None
     if s.val_data is not None:
         val_ds, _ = memmap_dataset(Path(s.val_data), tok, s.stage, s.seq_len, cache, None, progress, s.on_error)
-        val = validation_batches(val_ds, s.max_tokens, s.seq_len, tok.pad_token_id, s.val_batches)
     elif s.stage == "sft":  # no SFT validation file: hold out a fixed 5% of the conversations
-        ds, held_out = holdout_split(ds, s.seed)
-        val = validation_batches(held_out, s.max_tokens, s.seq_len, tok.pad_token_id, s.val_batches)
-        n_held_out = len(held_out)
+        ds, val_ds = holdout_split(ds, s.seed)
+        n_held_out = len(val_ds)
+    val = (validation_batches(val_ds, s.max_tokens, s.seq_len, tok.pad_token_id, s.val_batches)
+           if val_ds is not None else None)
     if dinfo is not None and main:
         D.barrier()  # the caches are complete: the other ranks may open them
     return ds, val, n_held_out

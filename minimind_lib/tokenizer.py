@@ -47,8 +47,9 @@ def default_config(hf: tokenizers.Tokenizer, model_max_length: int = 32768) -> d
             "tokenizer_class": "PreTrainedTokenizerFast", "unk_token": ENDOFTEXT, "chat_template": CHAT_TEMPLATE}
 
 
-def check_added_tokens(hf: tokenizers.Tokenizer, config: dict, where: Path) -> None:
-    """Refuse a config whose added_tokens_decoder disagrees with tokenizer.json (ids are read, not assumed)."""
+def token_ids(hf: tokenizers.Tokenizer, config: dict, where: Path) -> dict[str, int]:
+    """Ids of the config's bos/eos/pad/unk tokens and of SPECIAL_TOKENS, each checked against tokenizer.json, as is
+    every entry of its added_tokens_decoder (ids are read, not assumed)."""
     decoder = config.get("added_tokens_decoder", {})
     if not isinstance(decoder, dict):
         raise ValueError(f"{where}: added_tokens_decoder must be an object, got {type(decoder).__name__}")
@@ -59,10 +60,6 @@ def check_added_tokens(hf: tokenizers.Tokenizer, config: dict, where: Path) -> N
         if hf.token_to_id(content) != int(key):
             raise ValueError(f"{where}: added_tokens_decoder says {content!r} has id {key} "
                              f"but {TOKENIZER_FILE} gives it id {hf.token_to_id(content)}")
-
-
-def token_ids(hf: tokenizers.Tokenizer, config: dict, where: Path) -> dict[str, int]:
-    """Ids of the config's bos/eos/pad/unk tokens and of SPECIAL_TOKENS, each checked against tokenizer.json."""
     ids = {}
     for key in ROLE_KEYS:
         if key not in config:
@@ -125,10 +122,10 @@ def check_turn_extras(turn: dict, where: str) -> None:
 
 
 def chat_pieces(messages: Sequence[dict], tools: Sequence[dict] | None = None, add_generation_prompt: bool = False,
-                think: bool = False, open_thinking: bool = False, empty_think: bool = True) -> list[tuple[str, bool]]:
+                think: bool = False, open_thinking: bool = False) -> list[tuple[str, bool]]:
     """The chat template as (text, is_content) pieces: ChatML, plus MiniMind-3's tools block, tool turns (inside a user
-    turn), <tool_call>s and <think> blocks (on every assistant turn when think, else only where reasoning is given;
-    empty_think=False leaves out the empty ones). open_thinking: the generation prompt opens a <think> block."""
+    turn), <tool_call>s and <think> blocks (on every assistant turn when think, else only where reasoning is given).
+    open_thinking: the generation prompt opens a <think> block."""
     out = []
     if tools:  # the first system message, if any, goes inside the tools block
         system = [p for m in messages[:1] if m["role"] == "system" for p in ((m["content"] or "", True), ("\n\n", False))]
@@ -149,8 +146,7 @@ def chat_pieces(messages: Sequence[dict], tools: Sequence[dict] | None = None, a
             if reasoning is None and "</think>" in content:  # inline thoughts, as MiniMind-3 reads them
                 reasoning, content = content.split("</think>")[0].split("<think>")[-1], content.split("</think>")[-1]
                 content = content.lstrip("\n")  # before the test for empty content below, as MiniMind-3 does
-            if (reasoning := (reasoning or "").strip("\n")) or empty_think:
-                out += [("<think>\n", False), (reasoning, True), ("\n</think>\n\n", False)]
+            out += [("<think>\n", False), ((reasoning or "").strip("\n"), True), ("\n</think>\n\n", False)]
         out.append((content.lstrip("\n") if thinks else content, True))
         for k, call in enumerate(m.get("tool_calls") or []):
             call = call.get("function", call)  # OpenAI nests {"function": {"name", "arguments"}}
@@ -162,48 +158,6 @@ def chat_pieces(messages: Sequence[dict], tools: Sequence[dict] | None = None, a
     return out + ([(f"{IM_START}assistant\n" + thought, False)] if add_generation_prompt else [])
 
 
-def train_bpe(texts: Iterable[str], vocab_size: int = DEFAULT_VOCAB_SIZE,
-              show_progress: bool = False) -> tokenizers.Tokenizer:
-    """MiniMind's byte-level BPE trained on texts (deterministic: same texts, same tokenizer.json)."""
-    if vocab_size <= len(SPECIAL_TOKENS) + 256:
-        raise ValueError(f"vocab_size={vocab_size} leaves no room for merges: it must exceed "
-                         f"{len(SPECIAL_TOKENS) + 256} (3 special tokens + 256 bytes)")
-    hf = tokenizers.Tokenizer(models.BPE())
-    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=show_progress,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    hf.train_from_iterator(texts, trainer=trainer)
-    hf.decoder = decoders.ByteLevel()
-    got = hf.get_vocab_size(with_added_tokens=True)
-    if got != vocab_size:
-        raise ValueError(f"the corpus is too small for vocab_size={vocab_size}: BPE ran out of pairs to "
-                         f"merge at {got} tokens; give it more text or ask for vocab_size<={got}")
-    assert [hf.token_to_id(name) for name in SPECIAL_TOKENS] == [0, 1, 2]  # MiniMind's train_tokenizer.py asserts it
-    return hf
-
-
-def read_directory(directory: Path) -> tuple[tokenizers.Tokenizer, dict]:
-    """tokenizer.json and tokenizer_config.json of a directory, each error naming the file at fault."""
-    if not directory.is_dir():
-        raise FileNotFoundError(f"tokenizer directory {directory} does not exist (it should hold "
-                                f"{TOKENIZER_FILE} and {CONFIG_FILE})")
-    tok_path, cfg_path = directory / TOKENIZER_FILE, directory / CONFIG_FILE
-    for p in (tok_path, cfg_path):
-        if not p.is_file():
-            raise FileNotFoundError(f"{p} not found: a tokenizer directory needs {TOKENIZER_FILE} and {CONFIG_FILE}")
-    try:
-        hf = tokenizers.Tokenizer.from_file(str(tok_path))
-    except Exception as e:  # tokenizers raises a bare Exception with a serde message
-        raise ValueError(f"{tok_path}: not a valid tokenizers file ({e})") from None
-    try:
-        config = json.loads(cfg_path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{cfg_path}: invalid JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"{cfg_path}: must hold a JSON object, got {type(config).__name__}")
-    return hf, config
-
-
 class Tokenizer:
     """A byte-level BPE tokenizer (a `tokenizers.Tokenizer`) plus MiniMind's special tokens and chat template."""
 
@@ -212,7 +166,6 @@ class Tokenizer:
         self.source = Path(source) if source is not None else None
         self.config = dict(config) if config is not None else default_config(hf)
         where = self.source / CONFIG_FILE if self.source is not None else Path("<tokenizer_config>")
-        check_added_tokens(hf, self.config, where)
         ids = token_ids(hf, self.config, where)
         self.bos_token_id, self.eos_token_id, self.pad_token_id, self.unk_token_id = (ids[k] for k in ROLE_KEYS)
         self.endoftext_id, self.im_start_id, self.im_end_id = (ids[name] for name in SPECIAL_TOKENS)
@@ -229,14 +182,46 @@ class Tokenizer:
     @classmethod
     def train(cls, texts: Iterable[str], vocab_size: int = DEFAULT_VOCAB_SIZE,
               show_progress: bool = False) -> Tokenizer:
-        """Train MiniMind's byte-level BPE on texts (see train_bpe)."""
-        return cls(train_bpe(texts, vocab_size, show_progress))
+        """MiniMind's byte-level BPE trained on texts (deterministic: same texts, same tokenizer.json)."""
+        if vocab_size <= len(SPECIAL_TOKENS) + 256:
+            raise ValueError(f"vocab_size={vocab_size} leaves no room for merges: it must exceed "
+                             f"{len(SPECIAL_TOKENS) + 256} (3 special tokens + 256 bytes)")
+        hf = tokenizers.Tokenizer(models.BPE())
+        hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=show_progress,
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+        hf.train_from_iterator(texts, trainer=trainer)
+        hf.decoder = decoders.ByteLevel()
+        got = hf.get_vocab_size(with_added_tokens=True)
+        if got != vocab_size:
+            raise ValueError(f"the corpus is too small for vocab_size={vocab_size}: BPE ran out of pairs to "
+                             f"merge at {got} tokens; give it more text or ask for vocab_size<={got}")
+        assert [hf.token_to_id(name) for name in SPECIAL_TOKENS] == [0, 1, 2]  # MiniMind's train_tokenizer.py too
+        return cls(hf)
 
     @classmethod
     def load(cls, directory: str | Path | None = None) -> Tokenizer:
-        """Read a tokenizer directory (ours or MiniMind's); default: the bundled asset."""
-        directory = Path(DEFAULT_DIR if directory is None else directory)
-        return cls(*read_directory(directory), source=directory)
+        """Read a tokenizer directory (ours or MiniMind's; default: minimind_lib/assets/tokenizer, the committed
+        6400-token asset), each error naming the file at fault."""
+        if not (directory := Path(DEFAULT_DIR if directory is None else directory)).is_dir():
+            raise FileNotFoundError(f"tokenizer directory {directory} does not exist (it should hold "
+                                    f"{TOKENIZER_FILE} and {CONFIG_FILE})")
+        tok_path, cfg_path = directory / TOKENIZER_FILE, directory / CONFIG_FILE
+        for p in (tok_path, cfg_path):
+            if not p.is_file():
+                raise FileNotFoundError(f"{p} not found: a tokenizer directory needs {TOKENIZER_FILE} and "
+                                        f"{CONFIG_FILE}")
+        try:
+            hf = tokenizers.Tokenizer.from_file(str(tok_path))
+        except Exception as e:  # tokenizers raises a bare Exception with a serde message
+            raise ValueError(f"{tok_path}: not a valid tokenizers file ({e})") from None
+        try:
+            config = json.loads(cfg_path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{cfg_path}: invalid JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
+        if not isinstance(config, dict):
+            raise ValueError(f"{cfg_path}: must hold a JSON object, got {type(config).__name__}")
+        return cls(hf, config, source=directory)
 
     def save(self, directory: str | Path) -> Path:
         """Write tokenizer.json and tokenizer_config.json (MiniMind's layout) into directory; returns it."""
@@ -290,22 +275,17 @@ class Tokenizer:
         """Text of token ids (accepts lists, tensors, arrays); out-of-range ids are an error, never dropped."""
         ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
         if ids and isinstance(ids[0], list):
-            raise ValueError("decode takes one sequence of ids; use decode_batch for a batch")
+            raise ValueError("decode takes one sequence of ids; decode a batch row by row")
         for i, t in enumerate(ids):
             if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < self.vocab_size:
                 raise ValueError(f"ids[{i}]={t!r} is not a token id (vocab_size={self.vocab_size})")
         return self.hf.decode([int(t) for t in ids], skip_special_tokens=skip_special_tokens)
 
-    def decode_batch(self, batch: Iterable[Iterable[int]], skip_special_tokens: bool = False) -> list[str]:
-        """decode() for each sequence of a batch."""
-        return [self.decode(ids, skip_special_tokens) for ids in batch]
-
     def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = False, tokenize: bool = False,
-                            tools: Sequence[dict] | None = None, open_thinking: bool = False,
-                            empty_think: bool = True) -> str | list[int]:
+                            tools: Sequence[dict] | None = None, open_thinking: bool = False) -> str | list[int]:
         """ChatML: '<|im_start|>role\\ncontent<|im_end|>\\n' per message, + MiniMind-3's fields (see chat_pieces)."""
         check_messages(messages)
-        pieces = chat_pieces(messages, tools, add_generation_prompt, self.think, open_thinking, empty_think)
+        pieces = chat_pieces(messages, tools, add_generation_prompt, self.think, open_thinking)
         return self._chat_ids(pieces) if tokenize else "".join(text for text, _ in pieces)
 
     def _chat_ids(self, pieces: list[tuple[str, bool]]) -> list[int]:
@@ -321,9 +301,7 @@ class Tokenizer:
         return ids + self._plain.encode(text, add_special_tokens=False).ids
 
 
-def load_tokenizer(directory: str | Path | None = None) -> Tokenizer:
-    """Load a tokenizer directory (default: minimind_lib/assets/tokenizer, the committed 6400-token asset)."""
-    return Tokenizer.load(directory)
+load_tokenizer = Tokenizer.load  # load_tokenizer(directory=None): the name callers use
 
 
 def check_vocab(tokenizer: Tokenizer, vocab_size: int) -> None:

@@ -260,15 +260,10 @@ def resolve_amp(amp: str, device: torch.device | str, hidden_size: int | None = 
     if native and hidden_size is not None and hidden_size >= CPU_BF16_MIN_HIDDEN:
         return AmpSettings(torch.bfloat16, False, f"auto: CPU with native bf16, hidden size {hidden_size} >= "
                                                   f"{CPU_BF16_MIN_HIDDEN} -> bf16 autocast")
-    why = ("no native bf16: emulated bf16 is slower" if not native else
-           f"model size not given; bf16 pays from hidden size {CPU_BF16_MIN_HIDDEN}" if hidden_size is None else
-           f"hidden size {hidden_size} < {CPU_BF16_MIN_HIDDEN}: bf16 measured slower than fp32 at that size")
+    why = ("no bf16 instructions on this CPU: emulated bf16 is slower" if not native else "model size not given"
+           if hidden_size is None else f"hidden size {hidden_size} < {CPU_BF16_MIN_HIDDEN}, the bar that notebook 05's "
+           f"width sweep set on an AVX512-BF16 CPU, where bf16 won every run only from {CPU_BF16_MIN_HIDDEN}")
     return AmpSettings(None, False, f"auto: {device.type} -> fp32 ({why})")
-
-
-def make_scaler(amp: AmpSettings, device: torch.device | str) -> torch.amp.GradScaler | None:
-    """A torch.amp.GradScaler when the AMP settings need one, else None."""
-    return torch.amp.GradScaler(torch.device(device).type) if amp.use_scaler else None
 
 
 # 7. Validation (04, section 6) ---------------------------------------------------------------------------------
@@ -300,7 +295,8 @@ class _Run:
         self.callbacks = list(callbacks)  # cb(step, row) after each step, before its checkpoint (see save)
         self.amp = resolve_amp(cfg.amp, device, getattr(getattr(model, "config", None), "hidden_size", None))
         self.stream, self.is_main_process = DataStream(data), is_main_process
-        self.optimizer, self.scaler = build_optimizer(model, cfg, device), make_scaler(self.amp, device)
+        self.optimizer = build_optimizer(model, cfg, device)
+        self.scaler = torch.amp.GradScaler(device.type) if self.amp.use_scaler else None
         self.ckpt_path = Path(cfg.ckpt_dir) / "last.pt" if cfg.ckpt_dir else None
         self.meter = meter if meter is not None else getattr(controller, "meter", None)  # a controller's: its budget
         if self.meter is None and controller is None and device.type == "cuda":

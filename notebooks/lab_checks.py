@@ -306,6 +306,65 @@ def _compare_decoder(cls: type, g: torch.Generator) -> None:
     first_difference("the hidden states", _load(cls(c), library)(ids), library(ids)[0], 1e-4)
 
 
+# 03 initialisation ----------------------------------------------------------------------------------------------------
+WEIGHT_KINDS = ("embed_tokens", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _initialised(fn: Callable, g: torch.Generator) -> torch.nn.Module:
+    """A library model of random size with PyTorch's defaults, as the chapter's model starts (Linear uniform, the tied
+    embedding N(0, 1)), after model.apply(fn)."""
+    model = mm.MiniMindForCausalLM(_config(g, layers=_pick(g, (2, 3))))
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            module.reset_parameters()
+    model.model.embed_tokens.reset_parameters()  # last: the head is this matrix, and the embedding's default wins
+    return model.apply(fn)
+
+
+def _init_mistake(fn: Callable) -> str | None:
+    big, norm = torch.nn.Linear(1024, 1024, bias=False), mm.RMSNorm(64)  # a million draws: the statistics are sharp
+    fn(big)
+    fn(norm)
+    mean, std = big.weight.mean().item(), big.weight.std().item()
+    if abs(mean - 0.02) < 0.005 and abs(std - 1) < 0.05:
+        return ("The weights have mean 0.02 and standard deviation 1: the second positional argument of "
+                "torch.nn.init.normal_ is the mean; name the keyword arguments.")
+    if abs(std - 0.02 ** 0.5) < 0.005:
+        return "The standard deviation is the square root of 0.02: 0.02 is the standard deviation, not the variance."
+    if 0.01 < std and big.weight.abs().max().item() <= 0.0201:
+        return "The weights are uniform in [-0.02, 0.02]: the library draws them from a normal distribution."
+    if not torch.equal(norm.weight, torch.ones(64)):
+        return "It draws the RMSNorm gains too: they start at 1 (a norm that first scales by 1)."
+    return None
+
+
+@region("init_weights", "when the module is an nn.Linear or an nn.Embedding, draw its weight in place from a normal "
+        "distribution of mean 0 and standard deviation 0.02 (torch.nn.init has the function: name its keyword "
+        "arguments); do nothing to any other module.", fallback=lambda fn: mm.MiniMindForCausalLM._init_weights,
+        probes=(_init_mistake,))
+def _compare_init_weights(fn: Callable, g: torch.Generator) -> None:
+    model = _initialised(fn, g)
+    if model.lm_head.weight is not model.model.embed_tokens.weight:
+        raise Different("lm_head.weight is no longer model.embed_tokens.weight: the tie is broken (a new Parameter "
+                        "replaced the shared one); draw into the existing weight, in place.")
+    kinds = {kind: torch.cat([p.flatten() for n, p in model.named_parameters() if f".{kind}." in n])
+             for kind in WEIGHT_KINDS}
+    what = f"of each kind of weight ({', '.join(kinds)}; {sum(w.numel() for w in kinds.values())} draws)"
+    first_difference(f"the standard deviation {what}", torch.stack([w.std() for w in kinds.values()]),
+                     torch.full((len(kinds),), 0.02), 0.003)  # +-15%: above 6 standard errors for these sizes
+    first_difference(f"the mean {what}", torch.stack([w.mean() for w in kinds.values()]), torch.zeros(len(kinds)),
+                     0.003)
+    z = torch.cat(list(kinds.values()))
+    z = (z - z.mean()) / z.std()
+    first_difference("the kurtosis of all the weights together (3 for a normal distribution)", z.pow(4).mean()[None],
+                     torch.tensor([3.0]), 0.1)  # +-0.4; a uniform distribution has 1.8
+    gains = torch.cat([p.flatten() for n, p in model.named_parameters() if "norm" in n])
+    first_difference("the RMSNorm gains, every norm together", gains, torch.ones_like(gains), 0.0)
+    c = model.config
+    first_difference("the RoPE table freqs_cos (a buffer, not a weight)", model.model.freqs_cos,
+                     mm.precompute_freqs_cis(c.head_dim, c.max_position_embeddings, c.rope_theta)[0], 0.0)
+
+
 # ======================================================================================================================
 # 01_tokenizer and 02_data: byte-level BPE, the loss masks, chunking, the memmap write, padding
 # ======================================================================================================================
@@ -962,3 +1021,848 @@ def _compare_top_p(fn: Callable, g: torch.Generator) -> None:
             raise Different(f"keep_top_p returns a {type(yours).__name__}, not a tensor of logits.")
         first_difference(f"the probabilities to sample from, softmax of keep_top_p(logits of shape {tuple(logits.shape)}, "
                          f"{top_p})", yours.float().softmax(-1), _library_top_p(logits, top_p).softmax(-1), 1e-6)
+
+
+# ======================================================================================================================
+# 04_gradient_accumulation and 05_mixed_precision: the schedule, clipping, the update, exact accumulation, loss scaling
+# ======================================================================================================================
+import copy  # noqa: E402
+import math  # noqa: E402
+
+from minimind_lib import train as T  # noqa: E402
+from minimind_lib.device import get_device  # noqa: E402
+
+
+def _log_uniform(g: torch.Generator, low: float, high: float) -> float:
+    """A number drawn log-uniformly between low and high."""
+    return float(low * (high / low) ** torch.rand(1, generator=g))
+
+
+def _one(value: Any) -> torch.Tensor:
+    """A number as a 1-element float64 tensor, for first_difference (which then names index (0,))."""
+    return torch.tensor([float(value)], dtype=torch.float64)
+
+
+def _with_method(cls: type, name: str, method: Callable) -> type:
+    """The chapter's class (its __init__ and other methods, given code) with the library's rule as method `name`."""
+    return type(cls.__name__, (cls,), {name: method, "__doc__": cls.__doc__})
+
+
+# 04 the learning-rate schedule ----------------------------------------------------------------------------------------
+def _lrs(fn: Callable, schedule: dict, steps: int) -> torch.Tensor:
+    return torch.tensor([float(fn(s, **schedule)) for s in range(steps)], dtype=torch.float64)
+
+
+def _schedule_mistake(fn: Callable) -> str | None:
+    schedule, cosine = {"lr": 1.0, "min_lr": 0.1, "warmup_steps": 4, "max_steps": 20}, lambda progress, low: \
+        low + 0.5 * (1 + math.cos(math.pi * progress)) * (1.0 - low)
+    yours, decay = _lrs(fn, schedule, 26).tolist(), range(4, 20)
+    if yours[0] == 0:
+        return ("At step 0 it gives 0: warmup starts at lr / warmup_steps, so the first step already trains (a step "
+                "at rate 0 would only cost time).")
+    if all(abs(yours[s] - cosine(s / 20, 0.1)) < 1e-9 for s in decay):
+        return ("The cosine's progress counts from step 0, not from the end of warmup: the decay starts below lr. "
+                "Progress is 0 at the first step after warmup and 1 at max_steps.")
+    if all(abs(yours[s] - cosine((s - 4) / 16, 0.0)) < 1e-9 for s in decay):
+        return "It decays towards 0, not towards min_lr: the cosine runs between lr and min_lr."
+    if any(abs(yours[s] - 0.1) > 1e-9 for s in range(20, 26)):
+        return "From max_steps on it does not stay at min_lr (a cosine past its end comes back up)."
+    return None
+
+
+@region("lr_at", "during warmup the rate rises in equal steps from lr / warmup_steps at step 0 to lr at the last "
+        "warmup step; then it follows the cosine from lr down to min_lr, its progress going from 0 when warmup ends "
+        "to 1 at max_steps; from max_steps on it is min_lr. No warmup at all when warmup_steps is 0.",
+        fallback=lambda fn: T.lr_at, probes=(_schedule_mistake,))
+def _compare_lr_at(fn: Callable, g: torch.Generator) -> None:
+    for i in range(6):  # warmups of 0 steps, 1 step and more, twice each
+        max_steps, lr = _int(g, 2, 60), _log_uniform(g, 1e-4, 1e-1)
+        schedule = {"lr": lr, "min_lr": lr * _pick(g, (0.0, 0.1, 0.5)), "max_steps": max_steps,
+                    "warmup_steps": (0, 1, _int(g, 2, max_steps))[i % 3]}
+        steps = max_steps + 3
+        first_difference(f"the rate at steps 0..{steps - 1} of lr_at(step, "
+                         + ", ".join(f"{k}={v:.4g}" for k, v in schedule.items()) + ")",
+                         _lrs(fn, schedule, steps), _lrs(T.lr_at, schedule, steps), 1e-8)
+
+
+# 04 clipping by the global norm ---------------------------------------------------------------------------------------
+def _twins(params: list[torch.Tensor]) -> list[torch.nn.Parameter]:
+    """Copies of the parameters with copies of their gradients (None stays None)."""
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    for twin, p in zip(twins, params):
+        twin.grad = None if p.grad is None else p.grad.clone()
+    return twins
+
+
+def _clip_mistake(fn: Callable) -> str | None:
+    big, small = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))
+    big.grad, small.grad = torch.tensor([3.0, 4.0]), torch.tensor([0.3, 0.4])  # norms 5 and 0.5
+    fn([big, small], 1.0)
+    if torch.allclose(small.grad, torch.tensor([0.3, 0.4])) and abs(float(big.grad.norm()) - 1.0) < 1e-4:
+        return ("It clips each gradient by its own norm: one global norm over all the gradients decides one scale for "
+                "all of them, so the small gradient shrinks too and the update keeps its direction.")
+    small.grad, big.grad = torch.tensor([0.3, 0.4]), None
+    fn([small], 1.0)
+    if float(small.grad.norm()) > 0.5 + 1e-4:
+        return "With a norm below max_norm it scales the gradients up: the scale is never above 1."
+    small.grad = torch.tensor([3.0, 4.0])
+    if abs(float(fn([small], 1.0)) - 1.0) < 1e-4:
+        return "It returns the norm after clipping: return the norm before it, the number the loop logs."
+    return None
+
+
+@region("clip_by_global_norm", "the global norm is the L2 norm of all the gradients' entries together (parameters "
+        "without a gradient are left out); when it is above max_norm, multiply every gradient in place by max_norm / "
+        "(norm + 1e-6), never by more than 1; return the norm measured before clipping.",
+        fallback=lambda fn: torch.nn.utils.clip_grad_norm_, probes=(_clip_mistake,))
+def _compare_clip(fn: Callable, g: torch.Generator) -> None:
+    params = [torch.nn.Parameter(torch.zeros(*[_int(g, 1, 7) for _ in range(_int(g, 1, 3))]))
+              for _ in range(_int(g, 3, 6))]
+    for p in params[:-1] if _int(g, 0, 1) else params:  # sometimes the last has no gradient (an unused weight)
+        p.grad = torch.randn(p.shape, generator=g) * _log_uniform(g, 0.01, 10)
+    norm = float(torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None]))
+    for max_norm in (norm * _pick(g, (0.1, 0.5, 0.9)), norm * _pick(g, (1.5, 4.0))):  # one that clips, one that not
+        yours, library = _twins(params), _twins(params)
+        got, want = fn(yours, max_norm), torch.nn.utils.clip_grad_norm_(library, max_norm)
+        what = f"clipping {len(params)} gradients of global norm {norm:.4g} to max_norm={max_norm:.4g}"
+        for i, (y, w) in enumerate(zip(yours, library)):
+            if w.grad is not None:
+                first_difference(f"gradient {i} after {what}", y.grad, w.grad, 1e-5)
+        first_difference(f"the norm returned by {what}", _one(got), _one(want), 1e-5)
+
+
+# 04 clip and step -----------------------------------------------------------------------------------------------------
+def _step_mistake(fn: Callable) -> str | None:
+    p = torch.nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.SGD([p], lr=0.1)
+    p.grad = torch.tensor([1.0, math.inf, 1.0])
+    fn(optimizer, [p], 1.0)
+    if not torch.equal(p.detach(), torch.ones(3)):
+        return ("It takes the step although the gradient norm is inf/NaN: such a step turns weights into inf/NaN "
+                "(and AdamW's states with them); skip it, and still clear the gradients.")
+    p.grad = torch.tensor([3.0, 4.0, 0.0])
+    norm = fn(optimizer, [p], 1.0)[0]
+    if p.grad is not None and float(p.grad.abs().sum()) > 0:
+        return ("It leaves the gradients in .grad after the step: the next step's backward would add its gradients to "
+                "them. Clear them (zero_grad) after every step, a skipped one too.")
+    if abs(float(norm) - 1.0) < 1e-4:
+        return "It returns the norm after clipping (1.0 here): return the norm before it, the number the loop logs."
+    return None
+
+
+@region("optimizer_step", "clip the gradients' global norm to grad_clip with PyTorch's clip_grad_norm_ (no limit "
+        "when grad_clip is None or 0); call the optimizer's step only when that norm is finite; then clear the "
+        "gradients; return the norm before clipping as a float and whether it was finite.",
+        fallback=lambda fn: _library_optimizer_step, probes=(_step_mistake,))
+def _compare_optimizer_step(fn: Callable, g: torch.Generator) -> None:
+    shapes = [tuple(_int(g, 1, 6) for _ in range(_int(g, 1, 2))) for _ in range(_int(g, 1, 4))]
+    start = [torch.randn(s, generator=g) for s in shapes]
+    kind, lr = _pick(g, ("AdamW", "SGD")), _log_uniform(g, 1e-3, 0.1)
+
+    def make() -> tuple[list[torch.nn.Parameter], torch.optim.Optimizer]:
+        params = [torch.nn.Parameter(t.clone()) for t in start]
+        return params, (torch.optim.AdamW(params, lr=lr, weight_decay=0.1) if kind == "AdamW" else
+                        torch.optim.SGD(params, lr=lr, momentum=0.9))
+
+    (yours, yours_opt), (library, library_opt) = make(), make()
+    bad_step = _int(g, 0, 3)  # the step whose gradient holds an inf or a nan
+    for step in range(4):
+        grads = [torch.randn(s, generator=g) * _log_uniform(g, 0.1, 10) for s in shapes]
+        norm = float(torch.nn.utils.get_total_norm(grads))
+        if step == bad_step:
+            grads[_int(g, 0, len(grads) - 1)].view(-1)[0] = _pick(g, (math.inf, -math.inf, math.nan))
+        # even steps clip (to a fraction of the norm), odd ones do not or may not (None, 0: no limit)
+        clip = norm * _log_uniform(g, 0.2, 0.9) if step % 2 == 0 else _pick(g, (None, 0.0, _log_uniform(g, 0.1, 10)))
+        for params in (yours, library):
+            for p, grad in zip(params, grads):
+                p.grad = grad.clone()
+        got, (norm, finite) = fn(yours_opt, yours, clip), T.optimizer_step(library_opt, library, clip)
+        what = (f"step {step} of {kind} (grad_clip={clip if clip is None else round(clip, 4)!r}"
+                + (", a gradient holding an inf or a nan)" if step == bad_step else ")"))
+        if not isinstance(got, tuple) or len(got) != 2:
+            raise Different(f"optimizer_step returns a {type(got).__name__}; it should return (the norm before "
+                            "clipping, whether it was finite).")
+        for i, (y, w) in enumerate(zip(yours, library)):
+            first_difference(f"weight {i} after {what}", y.detach(), w.detach(), 1e-5)
+        left = [0.0 if p.grad is None else float(p.grad.abs().max()) for p in yours]
+        first_difference(f"what .grad still holds after {what} (largest entry of each weight's; 0: cleared)",
+                         torch.tensor(left, dtype=torch.float64), torch.zeros(len(left), dtype=torch.float64), 0.0)
+        first_difference(f"whether the norm was finite at {what} (1: yes)", _one(bool(got[1])), _one(bool(finite)), 0)
+        if bool(finite):
+            first_difference(f"the norm returned at {what}", _one(got[0]), _one(norm), 1e-5)
+
+
+def _library_optimizer_step(optimizer: torch.optim.Optimizer, params: list, grad_clip: float | None) -> tuple:
+    """minimind_lib's optimizer_step, returning Python numbers as the chapter's does."""
+    norm, finite = T.optimizer_step(optimizer, params, grad_clip)
+    return float(norm), bool(finite)
+
+
+# 04 exact token-weighted accumulation ---------------------------------------------------------------------------------
+def _library_accumulate_step(model: torch.nn.Module, micro_batches: Sequence[dict],
+                             normalization: str = "token") -> dict:
+    """minimind_lib's accumulate_step, called as the chapter calls its own."""
+    return T.accumulate_step(model, micro_batches, normalization=normalization)
+
+
+def _accumulation_case(g: torch.Generator) -> tuple[torch.nn.Module, list[dict]]:
+    """A small random model on the notebook's device, and k micro-batches whose trained-token counts differ a lot (one
+    of short rows among longer ones), padded as the chapter pads them."""
+    c = _config(g, layers=_int(g, 1, 2))
+    model = _randomize(mm.MiniMindForCausalLM(c), g).to(get_device())
+    micro = [[_int(g, 2, 4)]]  # one row of 1 to 3 trained tokens; the others at least one row of 7 or more
+    micro += [[longest := _int(g, 8, 24)] + [_int(g, 2, longest) for _ in range(_int(g, 0, 2))]
+              for _ in range(_int(g, 1, 3))]
+    micro = [D.pad_collate([{"input_ids": ids, "labels": ids.clone()} for ids in
+                            (torch.randint(0, c.vocab_size, (n,), generator=g) for n in lengths)]) for lengths in micro]
+    return model, [micro[i] for i in torch.randperm(len(micro), generator=g).tolist()]
+
+
+def _accumulated(fn: Callable, model: torch.nn.Module, micro: list[dict], normalization: str) -> tuple[Any, dict]:
+    """What fn returns for one step of a copy of the model, and the gradients it leaves, by parameter name."""
+    model = copy.deepcopy(model)
+    model.zero_grad(set_to_none=True)
+    with torch.enable_grad():
+        stats = fn(model, [dict(mb) for mb in micro], normalization=normalization)
+    return stats, {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _accumulation_mistake(fn: Callable) -> str | None:
+    model, micro = _accumulation_case(torch.Generator().manual_seed(0))
+    def flat(fn: Callable, normalization: str) -> torch.Tensor:
+        return torch.cat([v.flatten() for v in _accumulated(fn, model, micro, normalization)[1].values()])
+
+    yours = flat(fn, "token")
+    naive, exact = flat(_library_accumulate_step, "naive"), flat(_library_accumulate_step, "token")
+    if yours.shape == naive.shape and torch.allclose(yours, naive, rtol=1e-4, atol=1e-4 * float(naive.abs().max())):
+        return ("Under normalization='token' it computes the naive gradient, averaging per micro-batch: each "
+                "micro-batch's mean token loss / k, so a token of a short micro-batch weighs more than one of a long "
+                "micro-batch. Exact: divide every micro-batch's summed token loss by the trained tokens of the whole "
+                "step, counted over all k micro-batches before the first backward.")
+    if yours.shape == exact.shape:
+        factor = float(yours @ exact / (exact @ exact))
+        if abs(factor - 1) > 1e-3 and torch.allclose(yours, factor * exact, atol=1e-4 * float(yours.abs().max())):
+            n = sum(int((mb["labels"][:, 1:] != -100).sum()) for mb in micro)
+            return (f"Its gradient is the exact one times {factor:.4g}: the right direction, the wrong division (the "
+                    f"exact step divides the summed token losses by the step's {n} trained tokens).")
+    return None
+
+
+@region("accumulate_step", "count the trained tokens N of all the micro-batches from their labels first; then for "
+        "each micro-batch: forward, the sum of its token losses, that sum divided by N ('token') or by its own "
+        "trained tokens and by k ('naive'), backward. Add up the summed token losses for the result.",
+        fallback=lambda fn: _library_accumulate_step, probes=(_accumulation_mistake,))
+def _compare_accumulate_step(fn: Callable, g: torch.Generator) -> None:
+    model, micro = _accumulation_case(g)
+    counts = [int((mb["labels"][:, 1:] != -100).sum()) for mb in micro]
+    for normalization in ("token", "naive"):
+        (stats, yours), (want_stats, want) = (_accumulated(f, model, micro, normalization)
+                                              for f in (fn, _library_accumulate_step))
+        what = f"normalization={normalization!r}, {len(micro)} micro-batches of {counts} trained tokens"
+        scale = max(float(w.abs().max()) for w in want.values())
+        for name, w in want.items():
+            first_difference(f"the gradient of {name} under {what} (as a fraction of the largest entry)",
+                             yours[name] / scale if name in yours else None, w / scale, 1e-4)
+        for key in ("n_tokens", "loss_sum", "loss"):
+            if not isinstance(stats, Mapping) or key not in stats:
+                raise Different(f"accumulate_step returns no {key!r}: it returns a dict with loss_sum, n_tokens, loss.")
+            first_difference(f"{key} returned under {what}", _one(stats[key]), _one(want_stats[key]), 1e-5)
+
+
+# 05 the GradScaler's update -------------------------------------------------------------------------------------------
+def _scaler_update(self: Any) -> None:
+    """torch.amp.GradScaler's update rule (its _amp_update_scale_), on the chapter's HandScaler."""
+    if self.found_inf:
+        self.scale_value, self.good_steps = self.scale_value * self.backoff_factor, 0
+    else:
+        self.good_steps += 1
+        if self.good_steps == self.growth_interval:
+            self.scale_value, self.good_steps = self.scale_value * self.growth_factor, 0
+    self.unscaled = False
+
+
+def _scale_trace(make: Callable, overflows: Sequence[bool]) -> torch.Tensor:
+    """The scale after each step of a run whose step i overflows when overflows[i] (make() builds the scaler)."""
+    p = torch.nn.Parameter(torch.zeros(3))
+    optimizer, scaler, trace = torch.optim.SGD([p], lr=0.0), make(), []
+    for bad in overflows:
+        scaler.scale(torch.ones(()))
+        p.grad = torch.tensor([1.0, math.inf if bad else 1.0, 1.0])
+        scaler.unscale_(optimizer)
+        scaler.step(optimizer)
+        scaler.update()
+        trace.append(float(scaler.get_scale()))
+    return torch.tensor(trace, dtype=torch.float64)
+
+
+def _rule_trace(overflows: Sequence[bool], interval: int, variant: str) -> list[float]:
+    """The scale after each step by the update rule with one usual mistake (init 1024, growth 2, backoff 0.5)."""
+    scale, good, trace = 1024.0, 0, []
+    for bad in overflows:
+        if bad:
+            scale, good = scale * (1.0 if variant == "no backoff" else 0.5), good if variant == "keeps count" else 0
+        else:
+            good += 1
+            if (variant == "every step" or good == interval + (variant == "one late")
+                    or (variant == "no restart" and good > interval)):
+                scale, good = scale * 2.0, good if variant == "no restart" else 0
+        trace.append(scale)
+    return trace
+
+
+SCALER_MISTAKES = {
+    "keeps count": "After an overflow it goes on counting the good steps from before it: an overflow starts the count "
+                   "again from 0, so the scale grows only after growth_interval good steps in a row.",
+    "every step": "It grows the scale after every good step: only after growth_interval good steps in a row.",
+    "one late": "It grows the scale one good step late: the step that brings the count to growth_interval grows it.",
+    "no restart": "After growing it does not start the count again, so it grows at every good step from then on.",
+    "no backoff": "On an overflow it leaves the scale as it is: it must shrink (times backoff_factor), or the next "
+                  "step overflows again.",
+}
+
+
+def _scaler_mistake(cls: type) -> str | None:
+    overflows = [False, False, True, False, False, False, False, False, False, False, True, False, False, False]
+    yours = _scale_trace(lambda: cls(init_scale=1024.0, growth_interval=3), overflows).tolist()
+    return next((SCALER_MISTAKES[v] for v in SCALER_MISTAKES if yours == _rule_trace(overflows, 3, v)), None)
+
+
+@region("HandScaler.update", "after a step whose gradients overflowed (found_inf): multiply the scale by "
+        "backoff_factor and start the count of good steps again from 0; after a good step: count it, and when the "
+        "count reaches growth_interval multiply the scale by growth_factor and start the count again.",
+        fallback=lambda cls: _with_method(cls, "update", _scaler_update), probes=(_scaler_mistake,))
+def _compare_scaler_update(cls: type, g: torch.Generator) -> None:
+    kw = {"init_scale": 2.0 ** _int(g, 4, 16), "growth_factor": _pick(g, (2.0, 4.0)),
+          "backoff_factor": _pick(g, (0.5, 0.25)), "growth_interval": _int(g, 2, 5)}
+    n = kw["growth_interval"]  # good steps, an overflow, then more good steps than a growth takes; then at random
+    overflows = [False] * (n - 1) + [True] + [False] * (n + 1)
+    overflows += (torch.rand(_int(g, 10, 25), generator=g) < _pick(g, (0.15, 0.4))).tolist()
+    settings = ", ".join(f"{k}={v:g}" for k, v in kw.items())
+    first_difference(f"the scale after each of {len(overflows)} steps ({settings}; overflows at steps "
+                     f"{[i for i, bad in enumerate(overflows) if bad]})",
+                     _scale_trace(lambda: cls(**kw), overflows),
+                     _scale_trace(lambda: torch.amp.GradScaler("cpu", **kw), overflows), 0.0)
+
+
+# ======================================================================================================================
+# 06_dynamic_batching: the token budget, packing, the controller's decisions
+# ======================================================================================================================
+from minimind_lib import batching as B  # noqa: E402
+
+
+def _rows_of_lengths(*lengths: int) -> list[dict]:
+    """Samples of the given lengths, as the controller sees them (only their length matters)."""
+    return [{"input_ids": torch.zeros(n, dtype=torch.long)} for n in lengths]
+
+
+# 06 fill_batches ------------------------------------------------------------------------------------------------------
+def _budget_mistake(fn: Callable) -> str | None:
+    if fn([0, 1, 2], [5, 5, 5], 8) == [[0, 1, 2]]:
+        return ("Three rows of 5 tokens made one batch under max_tokens=8: it counts rows against the budget, which "
+                "is on padded tokens, rows x the longest row.")
+    if fn([0, 1, 2], [5, 2, 2], 8) == [[0, 1, 2]]:
+        return ("Rows of 5, 2 and 2 tokens made one batch under max_tokens=8: it multiplies by the new row's length, "
+                "but every row is padded to the longest row in the batch, counting the rows already in it.")
+    if fn([0, 1, 2], [5, 2, 2], 8) == [[0, 1], [2]]:
+        return ("Rows of 5 and 2 tokens made one batch under max_tokens=8: it counts the real tokens of the rows "
+                "(their sum); every row is padded to the longest row of its batch, so the budget is on rows x the "
+                "longest row.")
+    if fn([0, 1], [4, 4], 8) == [[0], [1]]:
+        return "Two rows of 4 tokens were split under max_tokens=8: a batch that fills the budget exactly is allowed."
+    return None
+
+
+@region("fill_batches", "walk the samples in the given order, keeping the open batch and the longest row in it; a "
+        "sample joins while (rows + 1) times the longest row, this sample's length included, stays within max_tokens "
+        "and the rows stay under max_batch_size (either limit may be None); otherwise close the batch and let the "
+        "sample open the next one; close the last batch at the end.", fallback=lambda fn: B.fill_batches,
+        probes=(_budget_mistake,))
+def _compare_fill_batches(fn: Callable, g: torch.Generator) -> None:
+    for k in range(60):
+        unit = _int(g, 1, 16)
+        if k % 3 == 0:  # few distinct lengths and a budget they fill exactly, or one below the longest row
+            lengths = [unit * _int(g, 1, 3) for _ in range(_int(g, 1, 24))]
+        else:
+            lengths = [_int(g, 1, _pick(g, (8, 64))) for _ in range(_int(g, 0, 24))]
+        order = (sorted(range(len(lengths)), key=lambda i: -lengths[i]) if k % 2 else  # a megabatch's order
+                 torch.randperm(len(lengths), generator=g).tolist())
+        longest = max(lengths, default=1)
+        max_tokens = (None if k % 7 == 0 else unit * _int(g, 1, 8) if k % 3 == 0 else
+                      _int(g, max(1, longest // 2), 4 * longest))
+        max_rows = _int(g, 1, 6) if max_tokens is None or k % 3 == 0 else None
+        call = f"fill_batches(order={order}, lengths={lengths}, max_tokens={max_tokens}, max_batch_size={max_rows})"
+        yours = fn(list(order), list(lengths), max_tokens, max_rows)
+        first_item_difference(call, [list(b) for b in yours] if isinstance(yours, (list, tuple)) else yours,
+                              B.fill_batches(order, lengths, max_tokens, max_rows))
+
+
+# 06 stream_segments ---------------------------------------------------------------------------------------------------
+def _doc(n: int, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.arange(start, start + n)
+    return ids, ids + 1000
+
+
+def _random_docs(g: torch.Generator, longest: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """1 to 8 documents of 1 to `longest` tokens, about 30% of their labels -100 (a prompt's untrained positions)."""
+    docs = [_doc(_int(g, 1, longest), 100 * d) for d in range(_int(g, 1, 8))]
+    for ids, labels in docs:
+        labels[torch.rand(len(ids), generator=g) < 0.3] = -100
+    return docs
+
+
+def _segments(rows: Any) -> list:
+    """Rows of segments as plain lists: [[(ids, labels), ...], ...]."""
+    return [[(torch.as_tensor(i).tolist(), torch.as_tensor(lab).tolist()) for i, lab in row] for row in rows]
+
+
+def _stream_mistake(fn: Callable) -> str | None:
+    def run(lengths: tuple, seq_len: int, whole: bool = False) -> tuple[list, int]:
+        stats = B.PackStats()
+        rows = fn([_doc(n, 10 * d) for d, n in enumerate(lengths)], seq_len, stats, whole)
+        return [[len(ids) for ids, _ in row] for row in rows], stats.n_split
+    if run((3, 4), 5, whole=True)[0] == [[3, 2], [2]]:
+        return ("With whole=True it cut a document across rows: a document that does not fit the room left starts "
+                "the next row whole, and the row before keeps its empty end.")
+    if run((2, 2), 5)[0] == [[2], [2]]:
+        return "It starts a new row for every document: packing puts the next document in the room left in the row."
+    if sum(map(sum, run((7,), 5)[0])) < 7:
+        return "A document longer than the room left lost its rest: what does not fit goes on in the next row."
+    if run((5,), 5)[1] == 1:
+        return "It counts a document that exactly fills the room left as cut: it was placed whole."
+    if run((12,), 5)[1] > 1:
+        return "It counts a document once per cut: n_split counts the documents cut, once each."
+    return None
+
+
+@region("stream_segments", "keep the open row and the room left in it; put as much of each document as fits in the "
+        "room left, close the row when it is full and go on with the rest of the document in a new row; count each "
+        "document that does not fit the room left once in stats.n_split; with whole=True a document that does not fit "
+        "closes the row first (it is never cut). Close the last row if it holds anything.",
+        fallback=lambda fn: B.stream_segments, probes=(_stream_mistake,))
+def _compare_stream_segments(fn: Callable, g: torch.Generator) -> None:
+    for k in range(30):
+        whole, seq_len = bool(k % 2), _int(g, 2, 16)
+        docs = _random_docs(g, seq_len if whole else 3 * seq_len)
+        yours, want = B.PackStats(), B.PackStats()
+        call = f"stream_segments(documents of lengths {[len(d[0]) for d in docs]}, seq_len={seq_len}, whole={whole})"
+        first_item_difference(f"the rows of segments (ids, labels) of {call}", _segments(fn(list(docs), seq_len,
+                              yours, whole)), _segments(B.stream_segments(docs, seq_len, want, whole)))
+        if yours.n_split != want.n_split:
+            raise Different(f"stats.n_split after {call} differs first at index (0,): yours {yours.n_split}, the "
+                            f"library's {want.n_split} (documents cut across rows).")
+
+
+# 06 rows_from_segments ------------------------------------------------------------------------------------------------
+def _rows_mistake_06(fn: Callable) -> str | None:
+    out = fn([[_doc(3), _doc(2, 50)], [_doc(4, 70)]], 6, 0, B.PackStats())
+    positions, labels, docs = (out[k].tolist() for k in ("position_ids", "labels", "doc_ids"))
+    if positions[0][3:5] == [3, 4]:
+        return ("Its position_ids count on across a document boundary: positions restart at 0 in each document, so "
+                "RoPE sees the positions the document has alone.")
+    if labels[0][3] == 1050 or labels[0][0] == 1000:
+        return ("The first position of each document keeps its label: it must be -100, or the last token of the "
+                "document before would be trained to predict it (the model shifts the labels by one).")
+    if labels[0][0] == 1001:
+        return "It shifts the labels itself: labels line up with input_ids (the model does the shift)."
+    if docs[0][5] != -1 or docs[1][4] != -1:
+        return "doc_ids on padding are not -1: padding belongs to no document."
+    if docs[1][0] != 0:
+        return "doc_ids count on from the row before: they number the segments within each row, from 0."
+    return None
+
+
+@region("rows_from_segments", "start from (rows, seq_len) tensors of pad_id, -100, 0 and -1; in each row write its "
+        "segments one after the other: the ids, the labels from the segment's second position on (its first stays "
+        "-100), positions 0, 1, 2, ... starting again at each segment, and the segment's number in the row as its "
+        "doc id; add the tokens placed and the pads to the stats and set their row count.",
+        fallback=lambda fn: B.rows_from_segments, probes=(_rows_mistake_06,))
+def _compare_rows_from_segments(fn: Callable, g: torch.Generator) -> None:
+    for k in range(12):
+        whole, seq_len, pad_id = bool(k % 2), _int(g, 2, 24), _pick(g, (0, 3, 6399))
+        docs = _random_docs(g, seq_len if whole else 2 * seq_len)
+        rows = B.stream_segments(docs, seq_len, B.PackStats(), whole)
+        yours, want = B.PackStats(n_docs=len(docs)), B.PackStats(n_docs=len(docs))
+        out, lib = fn(rows, seq_len, pad_id, yours), B.rows_from_segments(rows, seq_len, pad_id, want)
+        what = f"of {len(rows)} rows of seq_len={seq_len} (segments of lengths {[[len(s[0]) for s in r] for r in rows]})"
+        for key in lib:
+            if not isinstance(out, Mapping) or key not in out:
+                raise Different(f"the result has no {key!r}: it holds input_ids, labels, position_ids and doc_ids.")
+            first_difference(f"{key} {what}", out[key], lib[key], 0.0)
+        for field in ("n_tokens", "n_pad", "n_rows"):
+            if getattr(yours, field) != getattr(want, field):
+                raise Different(f"stats.{field} {what} differs first at index (0,): yours {getattr(yours, field)}, the "
+                                f"library's {getattr(want, field)}.")
+
+
+# 06 after_oom, memory_check -------------------------------------------------------------------------------------------
+def _after_oom_mistake(fn: Callable) -> str | None:
+    rows = [_rows_of_lengths(100, 90, 90)]  # 300 padded tokens, under a cap of 1000
+    kind, sizes, _ = fn((None, 1000), rows, 0, 3, 0.8, None)
+    if sizes == (None, 500):
+        return ("Asked with a cap of 1000 padded tokens after a micro-batch of 300 ran out of memory, it halved the "
+                "cap, to 500, which that micro-batch does not reach: the retry is the same work and fails again. "
+                "Halve what the largest micro-batch used.")
+    if sizes[1] and sizes[1] >= 300:
+        return f"After an out-of-memory error its token cap is {sizes[1]}, no smaller than the 300 that failed."
+    if fn((8, None), [_rows_of_lengths(10, 10, 10, 10)], 0, 3, 0.8, None)[1][0] >= 4:
+        return "After an out-of-memory error the rows per micro-batch did not shrink below the 4 that failed."
+    if fn((None, 400), [_rows_of_lengths(100), _rows_of_lengths(50)], 0, 3, 0.8, None)[0] == "oom_halve":
+        return "It halves when every micro-batch is a single row: halving cannot make a row shorter; cut the rows."
+    if fn((4, None), [_rows_of_lengths(10, 10)], 3, 3, 0.8, None)[0] == "oom_halve":
+        return "It halves again after max_retries halvings: then the rows are cut instead."
+    return None
+
+
+@region("after_oom", "while halvings < max_retries and some micro-batch has more than one row: halve each size that is "
+        "set, from what the largest such micro-batch used (its rows; its rows x longest row), never below 1. "
+        "Otherwise cut: seq_len becomes seq_cut times the longest row of the step (as cut now).",
+        fallback=lambda fn: B.after_oom, probes=(_after_oom_mistake,))
+def _compare_after_oom(fn: Callable, g: torch.Generator) -> None:
+    for k in range(120):
+        seq_len = None if k % 3 == 0 else _int(g, 8, 256)
+        single = k % 5 == 0  # every micro-batch a single row: only a cut can help
+        micro = [_rows_of_lengths(*(_int(g, 1, 300) for _ in range(1 if single else _int(g, 1, 6))))
+                 for _ in range(_int(g, 1, 4))]
+        used_rows = max(map(len, micro))
+        used_tokens = max(len(mb) * max(B.row_length(s, seq_len) for s in mb) for mb in micro)
+        sizes = _pick(g, ((used_rows + _int(g, 0, 8), None), (None, used_tokens + _int(g, 0, 2000)),
+                          (used_rows + _int(g, 0, 4), used_tokens + _int(g, 0, 500))))
+        max_retries = _int(g, 0, 4)
+        args = (sizes, micro, _int(g, 0, max_retries), max_retries, _pick(g, (0.5, 0.8, 0.9)), seq_len)
+        shown = [[len(s["input_ids"]) for s in mb] for mb in micro]
+        call = (f"after_oom(sizes={sizes}, micro-batches of row lengths {shown}, halvings={args[2]}, max_retries="
+                f"{max_retries}, seq_cut={args[4]}, seq_len={seq_len})")
+        first_item_difference(f"(kind, sizes, seq_len) of {call}", tuple(fn(*args)), B.after_oom(*args))
+
+
+def _memory_check_mistake(fn: Callable) -> str | None:
+    if fn(0.45, (None, 500), (None, 1000), 100, 256, 256)[0] == "grow":
+        return ("It grew the micro-batch while the rows were still cut after an out-of-memory error (asked at a "
+                "peak of 45% with rows cut from 256 to 100 tokens, where 45% x 256/100 passes high water): the cut "
+                "sequence length comes back first, and until it can, nothing grows.")
+    if fn(0.45, (1, None), (8, None), 256, 256, None)[0] == "grow":
+        return ("It grows 1 row to 2 at a peak of 45%: that predicts 90%, above high water. Grow only if the peak "
+                "scaled by the growth stays under high water.")
+    if (out := fn(0.2, (None, 900), (None, 1000), 256, 256, None)[1]) != (None, 1000):
+        return f"From 900 tokens at a peak of 20% (start 1000) it went to {out[1]}: growth stops at the start size."
+    if fn(0.9, (1, None), (8, None), 256, 256, None)[0] == "shrink":
+        return "It shrinks a micro-batch of 1 row: there is nothing left to shrink."
+    if fn(0.3, (None, 500), (None, 1000), 163, 256, 256)[0] != "grow_seq_len":
+        return "At a peak of 30% with rows cut from 256 to 163 it did not bring the sequence length back first."
+    return None
+
+
+@region("memory_check", "above high_water (and some size above 1): shrink every set size by the factor shrink. Below "
+        "low_water with rows cut (uncut_len): bring seq_len back to its start if the peak scaled by uncut_len / "
+        "seq_len stays under high_water, else change nothing. Below low_water otherwise: grow every set size by "
+        "1 / shrink, rounded, at least by one and at most to its start, if the peak scaled by the largest growth "
+        "stays under high_water. Anything else: no change.", fallback=lambda fn: B.memory_check,
+        probes=(_memory_check_mistake,))
+def _compare_memory_check(fn: Callable, g: torch.Generator) -> None:
+    for k in range(200):
+        high = _pick(g, (0.8, 0.9, 0.7))
+        low, shrink = high * _pick(g, (0.625, 0.5)), _pick(g, (0.8, 0.5, 0.75))
+        start = _pick(g, ((_int(g, 1, 32), None), (None, _int(g, 64, 4096)), (_int(g, 1, 32), _int(g, 64, 4096))))
+        sizes = tuple(s and _int(g, 1, min(s, 3) if k % 3 == 0 else s) for s in start)  # 1 to 3: growth doubles
+        seq_len_start = _int(g, 16, 512)
+        cut = k % 2 == 0  # rows cut after an out-of-memory error: uncut_len set, seq_len below it
+        seq_len, uncut = (_int(g, 8, seq_len_start - 1), seq_len_start) if cut else (seq_len_start, None)
+        r = float(torch.rand((), generator=g))  # the peak: anywhere, below low water, or just below it
+        frac = r * 1.2 if k % 4 < 2 else r * low if k % 4 == 2 else low * (0.7 + 0.3 * r)
+        args = (frac, sizes, start, seq_len, seq_len_start, uncut, high, low, shrink)
+        call = (f"memory_check(frac={frac:.4f}, sizes={sizes}, start_sizes={start}, seq_len={seq_len}, seq_len_start="
+                f"{seq_len_start}, uncut_len={uncut}, high_water={high}, low_water={low:g}, shrink={shrink})")
+        first_item_difference(f"(kind, sizes, seq_len, uncut_len) of {call}", tuple(fn(*args)), B.memory_check(*args))
+
+
+# ======================================================================================================================
+# 09_beyond_one_gpu: the split, the global token count, no_sync, the memory of a rank
+# ======================================================================================================================
+import contextlib  # noqa: E402  (this section's own imports: the chapters' sections stay apart)
+import copy  # noqa: E402
+
+import torch.distributed as dist  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel  # noqa: E402
+
+from minimind_lib import distributed as DP  # noqa: E402
+from minimind_lib import train as T  # noqa: E402
+from minimind_lib.data import pad_collate, trained_tokens  # noqa: E402
+
+
+# 09 the split -------------------------------------------------------------------------------------------------------
+def _deal_mistake(fn: Callable) -> str | None:
+    if [list(o) for o in fn([5, 1, 1, 1, 1, 1], 2)] == [[0, 2, 4], [1, 3, 5]]:
+        return "It deals round-robin, whatever the costs: one rank then waits for the other at every all-reduce."
+    if [list(o) for o in fn([1, 1, 5], 2)] == [[0, 2], [1]]:
+        return ("It deals the micro-batches in the order given: the largest must go first, or a large one that comes "
+                "last lands on a rank that is already loaded.")
+    got, want = fn([3, 1, 2, 2], 2), DP.assign_to_ranks([3, 1, 2, 2], 2)
+    if [sorted(o) for o in got] == want and [list(o) for o in got] != want:
+        return "Each rank's positions should be listed in increasing order (the order of the step's micro-batches)."
+    return None
+
+
+@region("deal", "go through the positions from the largest cost to the smallest (equal costs: the lower position "
+        "first); give each to the rank whose costs add up to the least so far (equal: the one with fewer items, then "
+        "the lower rank); return each rank's positions in increasing order.",
+        fallback=lambda fn: DP.assign_to_ranks, probes=(_deal_mistake,))
+def _compare_deal(fn: Callable, g: torch.Generator) -> None:
+    for _ in range(40):  # costs from a few values (many ties), sometimes fewer micro-batches than ranks
+        n_ranks, scale = _int(g, 1, 6), _pick(g, (1, 1, 100))
+        costs = [_int(g, 1, 6) * scale for _ in range(_int(g, 0, 12))]
+        got = fn(list(costs), n_ranks)
+        first_item_difference(f"deal({costs}, {n_ranks})", [list(o) for o in got], DP.assign_to_ranks(costs, n_ranks))
+
+
+# 09 the global token count ------------------------------------------------------------------------------------------
+def _micro_batch(g: torch.Generator, vocab: int) -> dict[str, torch.Tensor]:
+    """1 to 3 rows of 2 to 12 random ids, padded on the right (labels -100 there), some with untrained positions."""
+    samples = []
+    for _ in range(_int(g, 1, 3)):
+        ids = torch.randint(0, vocab, (_int(g, 2, 12),), generator=g)
+        labels = ids.clone()
+        if _int(g, 0, 2) == 0:  # positions that are not trained, as in SFT
+            labels[torch.rand(len(ids), generator=g) < 0.4] = -100
+        samples.append({"input_ids": ids, "labels": labels})
+    return pad_collate(samples, 0)
+
+
+def _rank_shares(g: torch.Generator, vocab: int, world: int) -> tuple[list[list[dict]], list[int]]:
+    """Each rank's micro-batches (1 to 3) and trained tokens, the ranks' counts clearly unequal: where a rank dividing
+    by its own count shows."""
+    while True:
+        shares = [[_micro_batch(g, vocab) for _ in range(_int(g, 1, 3))] for _ in range(world)]
+        counts = [sum(trained_tokens(mb["labels"]) for mb in share) for share in shares]
+        if min(counts) > 0 and max(counts) >= 1.3 * min(counts):
+            return shares, counts
+
+
+def _gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
+            for n, p in model.named_parameters()}
+
+
+def _library_rank_backward(model: Any, micro_batches: Sequence[dict], n_global: int, world: int) -> None:
+    """train.accumulate_step's loss, called the chapter's way: each micro-batch's sum of token losses times world
+    over n_global (the step's trained tokens on all ranks), backpropagated."""
+    for mb in micro_batches:
+        (T.lm_loss(T.forward_logits(model, mb), mb["labels"], reduction="sum") * (world / n_global)).backward()
+
+
+def _flat_gradient(model: torch.nn.Module, backward: Callable[[], Any]) -> torch.Tensor:
+    model.zero_grad(set_to_none=True)
+    with torch.enable_grad():
+        backward()
+    return torch.cat([g.flatten() for g in _gradients(model).values()])
+
+
+def _rank_loss_mistake(fn: Callable) -> str | None:
+    g = torch.Generator().manual_seed(0)
+    c = _config(g)
+    model = _randomize(mm.MiniMindForCausalLM(c), g)
+    while True:  # rank 0 with micro-batches of different token counts, the ranks unequal
+        shares, counts = _rank_shares(g, c.vocab_size, 2)
+        if len({trained_tokens(mb["labels"]) for mb in shares[0]}) > 1:
+            break
+    share, n = shares[0], sum(counts)
+    yours = _flat_gradient(model, lambda: fn(model, [dict(mb) for mb in share], n, 2))
+    own = _flat_gradient(model, lambda: T.accumulate_step(model, share))  # / the rank's own count
+    naive = _flat_gradient(model, lambda: T.accumulate_step(model, share, normalization="naive"))
+    global_only = _flat_gradient(model, lambda: T.accumulate_step(model, share, n_tokens_total=n))
+    same = lambda a, b: torch.allclose(a, b, rtol=1e-3, atol=1e-7)  # noqa: E731
+    if same(yours, 2 * own) or same(yours, own):
+        return ("It divides by the rank's own token count: a token of the rank holding fewer tokens then weighs more; "
+                "every rank must divide by the same count, the step's on all ranks.")
+    if same(yours, 2 * naive) or same(yours, naive):
+        return "It averages each micro-batch's loss on its own (notebook 04's naive mean): divide the sums by n_global."
+    if same(yours, global_only):
+        return ("It divides by n_global but does not multiply by world: DDP's average then divides by world once "
+                "more, a gradient world times too small (a silently lower learning rate).")
+    return None
+
+
+@region("rank_backward", "for each micro-batch, the sum (not the mean) of its token losses, divided by n_global, the "
+        "trained tokens of the whole step on all ranks, which every rank is given; then times world, because DDP "
+        "averages the ranks' gradients; backward.", fallback=lambda fn: _library_rank_backward,
+        probes=(_rank_loss_mistake,))
+def _compare_rank_backward(fn: Callable, g: torch.Generator) -> None:
+    c, world = _config(g), _pick(g, (2, 3, 4))
+    model = _randomize(mm.MiniMindForCausalLM(c), g)
+    shares, counts = _rank_shares(g, c.vocab_size, world)
+    n_global = sum(counts)
+    with torch.enable_grad():
+        model.zero_grad(set_to_none=True)
+        T.accumulate_step(model, [mb for share in shares for mb in share])  # one process, the whole step
+        want, average = _gradients(model), None
+        for share in shares:  # the ranks one after the other; DDP's all-reduce is their average
+            model.zero_grad(set_to_none=True)
+            fn(model, [dict(mb) for mb in share], n_global, world)
+            got = _gradients(model)
+            average = got if average is None else {k: average[k] + got[k] for k in got}
+    for name, grad in want.items():
+        first_difference(f"the gradient of {name} averaged over {world} ranks as DDP does (the ranks' trained tokens "
+                         f"{counts}, n_global = {n_global}), against one process running the whole step",
+                         average[name] / world, grad, 1e-4)
+
+
+# 09 no_sync ---------------------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _one_rank_group() -> Any:
+    """A gloo process group of this process alone, for a real DistributedDataParallel (the running one if any)."""
+    if dist.is_initialized():
+        yield
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("gloo", init_method=f"file://{Path(tmp) / 'pg'}", rank=0, world_size=1)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _as_one_rank_of(world: int) -> Any:
+    """minimind_lib.train reads its world size as `world`: accumulate_step runs as each rank of `world` runs it."""
+    saved, T.world_size = T.world_size, lambda: world
+    try:
+        yield
+    finally:
+        T.world_size = saved
+
+
+def _recording_hook(state: dict, bucket):  # no annotation on bucket: DDP inspects the hook's signature
+    """DDP's all-reduce (one rank: the sum is the bucket itself), noting the micro-batch whose backward sent it."""
+    state["synced"].add(state["forwards"] - 1)
+    return dist.all_reduce(bucket.buffer(), async_op=True).get_future().then(lambda f: f.value()[0])
+
+
+def _ddp_backward(fn: Callable, model: torch.nn.Module, micro_batches: Sequence[dict], n_global: int,
+                  world: int) -> tuple[list[int], dict[str, torch.Tensor]]:
+    """fn(ddp, micro_batches, n_global, world) on a fresh DDP around a copy of model: the micro-batches in whose
+    backward DDP all-reduced the gradient, and the gradients after them."""
+    model = copy.deepcopy(model)
+    ddp, seen = DistributedDataParallel(model), {"forwards": 0, "synced": set()}
+    model.register_forward_pre_hook(lambda *_: seen.update(forwards=seen["forwards"] + 1))
+    ddp.register_comm_hook(seen, _recording_hook)
+    with torch.enable_grad():
+        fn(ddp, [dict(mb) for mb in micro_batches], n_global, world)
+    return sorted(seen["synced"]), _gradients(model)
+
+
+def _library_accumulate_no_sync(ddp: Any, micro_batches: Sequence[dict], n_global: int, world: int = 1) -> None:
+    """train.accumulate_step's choice under DDP, called the chapter's way: every micro-batch but the last under
+    ddp.no_sync(), so that only the last backward all-reduces."""
+    for i, mb in enumerate(micro_batches):
+        with contextlib.nullcontext() if i == len(micro_batches) - 1 else ddp.no_sync():
+            _library_rank_backward(ddp, [mb], n_global, world)
+
+
+def _no_sync_mistake(fn: Callable) -> str | None:
+    g = torch.Generator().manual_seed(0)
+    c = _config(g)
+    model, micro = _randomize(mm.MiniMindForCausalLM(c), g), [_micro_batch(g, c.vocab_size) for _ in range(4)]
+    with _one_rank_group():
+        synced, _ = _ddp_backward(fn, model, micro, 10_000, 2)
+    return {(0, 1, 2, 3): "Every micro-batch's backward all-reduces (no no_sync()): the same gradient, sent k times.",
+            (0,): ("The all-reduce happens in the first micro-batch's backward: the later micro-batches' gradients stay "
+                   "on their rank and are never summed across ranks."),
+            (): "No backward all-reduces: the last micro-batch ran under no_sync() too, so the ranks never sum.",
+            (0, 1, 2): "no_sync() is on the last micro-batch instead of the others."}.get(tuple(synced))
+
+
+@region("accumulate_no_sync", "run every micro-batch's backward through the DDP model with rank_backward; all but "
+        "the last inside ddp.no_sync() (which only adds into .grad), the last outside it, so that its backward "
+        "all-reduces the sum once.", fallback=lambda fn: _library_accumulate_no_sync, probes=(_no_sync_mistake,))
+def _compare_accumulate_no_sync(fn: Callable, g: torch.Generator) -> None:
+    c, world, k = _config(g), _pick(g, (2, 3, 4)), _int(g, 2, 5)
+    model, micro = _randomize(mm.MiniMindForCausalLM(c), g), [_micro_batch(g, c.vocab_size) for _ in range(k)]
+    n_global = sum(trained_tokens(mb["labels"]) for mb in micro) + _int(g, 1, 200)  # plus the other ranks' tokens
+    with _one_rank_group():
+        synced, got = _ddp_backward(fn, model, micro, n_global, world)
+        with _as_one_rank_of(world):  # the library's own loop, as rank 0 of `world` runs it
+            want_synced, want = _ddp_backward(lambda ddp, mbs, n, w: T.accumulate_step(ddp, mbs, n_tokens_total=n),
+                                              model, micro, n_global, world)
+    first_item_difference(f"the micro-batches (of {k}, numbered from 0) in whose backward DDP all-reduced the "
+                          "gradient", synced, want_synced)
+    for name, grad in want.items():
+        first_difference(f"the gradient of {name} after the {k} micro-batches (your accumulate_no_sync calls "
+                         "rank_backward: it must have passed its check)", got[name], grad, 1e-4)
+
+
+# 09 the memory of a rank --------------------------------------------------------------------------------------------
+from minimind_lib.memory import estimate_memory  # noqa: E402
+
+
+def per_rank_memory(config: Any, world: int, batch_size: int, seq_len: int, amp: str = "bf16") -> dict:
+    """The reference for 09's per_rank_bytes (no later chapter uses it, so it lives beside the check, not in
+    minimind_lib). Bytes a rank holds as a micro-batch's backward starts under gradient accumulation (estimate_memory's
+    terms), as {setup: {component: bytes}} for one plain GPU, DDP (plus its gradient buckets, a second fp32 gradient)
+    and FSDP2 over `world` ranks: weights, gradients and AdamW moments sharded, no autocast copy, two units (root or
+    block) gathered in the compute dtype and one unit's fp32 gradient before its reduce-scatter. Activations never
+    shrink."""
+    if int(world) < 1:
+        raise ValueError(f"world must be >= 1, got {world}")
+    est = estimate_memory(config, batch_size, seq_len, amp=amp, accum_steps=2)
+    embedding = config.vocab_size * config.hidden_size
+    unit = max(embedding, (est["n_params"] - embedding - config.hidden_size) // config.num_hidden_layers)
+    one = {"fp32 weights": est["params_bytes"], "fp32 gradients": est["grads_bytes"],
+           "AdamW moments": est["optimizer_bytes"], "autocast weight copy": est["amp_weight_copies_bytes"],
+           "DDP gradient buckets": 0, "unsharded units": 0,
+           "activations, logits, buffers": est["activations_bytes"] + est["head_bytes"] + est["buffers_bytes"]}
+    sharded = {k: one[k] / world for k in ("fp32 weights", "fp32 gradients", "AdamW moments")}
+    return {"one GPU": one, "DDP": {**one, "DDP gradient buckets": est["grads_bytes"]},
+            "FSDP2": {**one, **sharded, "autocast weight copy": 0,
+                      "unsharded units": unit * (2 * (4 if amp == "off" else 2) + 4)}}
+
+
+def _memory_config(g: torch.Generator) -> mm.MiniMindConfig:
+    """A dense MiniMind of random size, from a few million to billions of parameters (head_dim = hidden / heads)."""
+    heads = _pick(g, (4, 8, 16, 32))
+    return mm.MiniMindConfig(hidden_size=heads * _pick(g, (32, 64, 128)), num_hidden_layers=_int(g, 1, 32),
+                             num_attention_heads=heads, num_key_value_heads=heads // _pick(g, (1, 2, 4)),
+                             vocab_size=_pick(g, (6400, 32000, 151936)),
+                             intermediate_size=_pick(g, (None, 64 * _int(g, 4, 180))))
+
+
+def _memory_mistake(fn: Callable) -> str | None:
+    c = mm.MiniMindConfig(hidden_size=2048, num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=4)
+    yours, want = fn(c, 8, 2, 512, "bf16"), per_rank_memory(c, 8, 2, 512, "bf16")
+    act = "activations, logits, buffers"
+    if abs(yours["FSDP2"][act] * 8 - want["FSDP2"][act]) < 1:
+        return "It divides the activations by world: every rank runs its own micro-batch, so they do not shrink."
+    if not yours["DDP"]["DDP gradient buckets"]:
+        return ("It leaves out DDP's gradient buckets: DDP all-reduces from a second fp32 copy of the gradients, 4 "
+                "bytes per parameter (unless gradient_as_bucket_view=True).")
+    if abs(yours["FSDP2"]["fp32 gradients"] - 8 * want["FSDP2"]["fp32 gradients"]) < 1:
+        return "It keeps FSDP2's gradients whole: the reduce-scatter leaves each rank its shard."
+    if abs(yours["one GPU"]["AdamW moments"] - want["one GPU"]["AdamW moments"] / 2) < 1:
+        return "It counts one AdamW moment: AdamW keeps two in fp32 (exp_avg, exp_avg_sq), 8 bytes per parameter."
+    if yours["FSDP2"]["autocast weight copy"]:
+        return "It keeps an autocast copy of every weight under FSDP2: FSDP2 casts one unit at a time."
+    return None
+
+
+@region("per_rank_bytes", "take the weights, gradients, AdamW moments, the autocast copy and the activations (with "
+        "the logits and buffers) from estimate_memory with accum_steps=2; DDP adds its buckets, 4 bytes per "
+        "parameter; FSDP2 divides the first three by world, keeps no autocast copy, and adds two units gathered (2 "
+        "bytes per parameter under autocast, 4 without) and one unit's fp32 gradient.",
+        fallback=lambda fn: per_rank_memory, probes=(_memory_mistake,))
+def _compare_per_rank_bytes(fn: Callable, g: torch.Generator) -> None:
+    for _ in range(6):
+        c, world, batch, seq, amp = (_memory_config(g), _int(g, 1, 16), _int(g, 1, 8), _pick(g, (128, 512, 2048)),
+                                     _pick(g, ("bf16", "fp16", "off")))
+        want, yours = per_rank_memory(c, world, batch, seq, amp), fn(c, world, batch, seq, amp)
+        call = (f"per_rank_bytes(c, {world}, {batch}, {seq}, {amp!r}) for c of hidden {c.hidden_size}, "
+                f"{c.num_hidden_layers} layers, vocabulary {c.vocab_size}")
+        names = [(setup, part) for setup, parts in want.items() for part in parts]
+        for setup, part in names:
+            if not isinstance(yours, Mapping) or not isinstance(yours.get(setup), Mapping) or part not in yours[setup]:
+                raise Different(f"{call} has no {setup!r}: {part!r}: it returns {{setup: {{component: bytes}}}} with "
+                                f"the setups {list(want)} and the components {list(want[setup])}.")
+        got = torch.tensor([float(yours[s][p]) for s, p in names], dtype=torch.float64)
+        expected = torch.tensor([float(want[s][p]) for s, p in names], dtype=torch.float64)
+        try:
+            first_difference(call, got, expected, 1e-9)
+        except Different as e:
+            at = int(torch.nonzero(~torch.isclose(got, expected, rtol=1e-9, atol=1e-9))[0])
+            raise Different(f"{e} The value at index {at} is {names[at][0]}: {names[at][1]}.") from None

@@ -46,6 +46,17 @@ def test_describe_names_device_and_profile():
     assert line.startswith("cpu (") and "profile=smoke" in line
 
 
+def test_describe_names_the_cpus_16_bit_instructions(monkeypatch, tmp_path):
+    # two CPUs of one model name can differ in what decides notebook 05's results: the line names their flags
+    fake, real_open = tmp_path / "cpuinfo", open
+    monkeypatch.setattr("builtins.open", lambda p, *a, **k: real_open(fake if p == "/proc/cpuinfo" else p, *a, **k))
+    for flags, named in (("fpu sse2 avx2", "no bf16/fp16 instructions"), ("avx2 avx512f avx512_bf16", "avx512_bf16"),
+                         ("avx512_bf16 amx_bf16 avx512_fp16 amx_tile", "amx_bf16 avx512_bf16 avx512_fp16")):
+        fake.write_text(f"model name\t: AMD EPYC 7B13\nflags\t\t: {flags}\n")
+        line = dev.describe(get_profile("smoke"), torch.device("cpu"))
+        assert line.startswith(f"cpu (AMD EPYC 7B13; {named}), profile=smoke, torch "), line
+
+
 def test_cli_info_prints_json():
     out = subprocess.run([sys.executable, "-m", "minimind_lib", "info", "--profile", "smoke", "--compact"],
                          capture_output=True, text=True, check=True).stdout

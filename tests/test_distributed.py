@@ -23,6 +23,7 @@ from minimind_lib.train import accumulate_step, world_size
 DEMO = Path(__file__).resolve().parents[1] / "notebooks" / "ddp_demo.py"
 sys.path.insert(0, str(DEMO.parent))
 import ddp_demo as demo  # noqa: E402  (notebook 09's harness: a script beside the notebook, not the library)
+import lab_checks  # noqa: E402  (09's per-rank memory: the reference its lab check holds)
 
 # 32 variable-length samples, budget 96 padded tokens, 3 micro-batches per step -> an epoch of 4 global steps
 # [3, 3, 3, 1]: under 2 ranks one rank gets 2 micro-batches and the other 1, and in step 3 rank 1 gets none.
@@ -322,3 +323,28 @@ def test_controller_runs_fits_accumulate_fn_on_the_ddp_model_with_the_global_cou
     assert calls == [(2, wrapper, n_tokens)]
     assert stats["n_tokens"] == n_tokens and stats["loss_sum"] == 1.5
     assert ctrl.state_dict() == {"step": 1, "world_size": 1}
+
+
+# --------------------------------------------------------------------------------------------- what a rank sends and holds
+
+
+@pytest.mark.parametrize("amp", ["bf16", "off"])
+def test_per_rank_memory_one_gpu_ddp_and_fsdp2(amp):
+    from minimind_lib.memory import estimate_memory
+    from minimind_lib.model import MiniMindConfig
+
+    c, P = MiniMindConfig.preset("minimind2-small"), 25_829_888
+    one, eight = lab_checks.per_rank_memory(c, 1, 2, 512, amp), lab_checks.per_rank_memory(c, 8, 2, 512, amp)
+    total = lambda parts: sum(parts.values())  # noqa: E731
+    state = lambda parts: parts["fp32 weights"] + parts["fp32 gradients"] + parts["AdamW moments"]  # noqa: E731
+    # one GPU is estimate_memory's peak under accumulation; DDP adds its buckets alone, on any number of ranks
+    assert total(one["one GPU"]) == estimate_memory(c, 2, 512, amp=amp, accum_steps=2)["peak_bytes"]
+    assert total(eight["DDP"]) - total(one["one GPU"]) == eight["DDP"]["DDP gradient buckets"] == 4 * P
+    assert state(one["one GPU"]) == 16 * P and state(eight["FSDP2"]) == 2 * P and state(one["FSDP2"]) == 16 * P
+    assert eight["FSDP2"]["activations, logits, buffers"] == one["one GPU"]["activations, logits, buffers"]
+    assert one["one GPU"]["autocast weight copy"] == (2 * P if amp == "bf16" else 0) and not eight["FSDP2"][
+        "autocast weight copy"]
+    unit = 6400 * 512  # the embedding (3,276,800) is larger than a block (2,819,072)
+    assert eight["FSDP2"]["unsharded units"] == 2 * unit * (2 if amp == "bf16" else 4) + 4 * unit
+    with pytest.raises(ValueError, match="world must be >= 1"):
+        lab_checks.per_rank_memory(c, 0, 2, 512)

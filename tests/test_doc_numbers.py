@@ -39,14 +39,17 @@ def test_totals_and_quotes_are_generated_not_typed(doc: Path, keys: list[str]):
 def test_the_guide_types_no_total_of_minutes_or_hours():
     """Outside the generated tables and numbers, only the plans' session lengths and the stated paces are typed."""
     text = GUIDE.read_text(encoding="utf-8")
-    for start, end in ((course_times.START, course_times.END), (course_times.ESTIMATES_START, course_times.ESTIMATES_END)):
+    for start, end in ((course_times.START, course_times.END), (course_times.ESTIMATES_START, course_times.ESTIMATES_END),
+                       (course_times.REGIONS_START, course_times.REGIONS_END)):
         text = re.sub(re.escape(start) + ".*?" + re.escape(end), "", text, flags=re.S)
     typed = re.findall(r"\d+(?:\.\d+)?(?:-\d+)? ?(?:minutes?|min|hours?|h)\b", doc_numbers.MARK.sub("", text))
     lengths = {"3 hours", "7 hours", "3.5 hours", "3.5 h", "210 minutes"}  # the plans' days and sessions
-    paces = {f"{course_times.MINUTES_PER_EXERCISE} minutes"}
+    paces = {f"{course_times.MINUTES_PER_EXERCISE} minutes", f"{course_times.MINUTES_PER_REGION} minutes"}
     assert set(typed) <= lengths | paces, f"typed in docs/teaching.md: {set(typed) - lengths - paces}"
     for pace in (f"{course_times.WORDS_PER_MINUTE} words a minute", f"{course_times.CODE_LINES_PER_MINUTE} non-blank",
-                 f"{course_times.MINUTES_PER_EXERCISE} minutes per exercise"):
+                 f"{course_times.MINUTES_PER_EXERCISE} minutes per exercise",
+                 f"{course_times.MINUTES_PER_REGION} minutes per region",
+                 f"{course_times.WRITTEN_LINES_PER_MINUTE} line of solution a minute"):
         assert pace in GUIDE.read_text(encoding="utf-8"), f"the guide states another pace than course_times: {pace}"
 
 
@@ -101,3 +104,32 @@ def test_bad_keys_and_mixed_profiles_are_named(tmp_path: Path):
         doc_numbers.render("<!--n:out:nope-->x<!--/n-->", "doc.md", notebook_dir=tmp_path)
     with pytest.raises(SystemExit, match=r"doc.md:1: 'size:all': a key starts with one of est:, run:, out:"):
         doc_numbers.render("<!--n:size:all-->x<!--/n-->", "doc.md", notebook_dir=tmp_path)
+
+
+def test_an_optional_part_is_estimated_apart(tmp_path: Path):
+    """Cells from a "## Part N (optional)" heading on are left out of the reading minutes and the plans' sums."""
+    cells = [nbformat.v4.new_markdown_cell("word " * 1200),  # 10 minutes at 120 words a minute
+             nbformat.v4.new_markdown_cell("## Part 2 (optional): more\n" + "word " * 2395)]  # 2,400 words: 20
+    nbformat.write(nbformat.v4.new_notebook(cells=cells), tmp_path / "03_x.ipynb")
+    row = course_times.estimates(tmp_path)["03"]
+    assert (row["words"], row["reading"], row["optional"]) == (3600, 10, 20)
+    assert doc_numbers.estimate_value("total:03", tmp_path) == "10"
+    assert doc_numbers.estimate_value("optional:03", tmp_path) == "20"
+    assert "| 10 | 20 |" in course_times.estimate_table(tmp_path)
+
+
+def test_lab_regions_are_estimated_by_the_stated_rule(tmp_path: Path):
+    """Each region: the fixed minutes plus its non-blank, non-comment solution lines at the writing pace."""
+    body = "def f(x):\n    \"\"\"Doc.\"\"\"\n    ### BEGIN SOLUTION\n    # a comment\n    y = x + 1\n\n    return y\n" \
+           "    ### END SOLUTION\n"
+    cell = nbformat.v4.new_code_cell(body, metadata={"nbgrader": {"solution": True, "grade_id": "f"}})
+    nbformat.write(nbformat.v4.new_notebook(cells=[cell]), tmp_path / "04_x.ipynb")
+    row = course_times.estimates(tmp_path)["04"]
+    minutes = round(course_times.MINUTES_PER_REGION + 2 / course_times.WRITTEN_LINES_PER_MINUTE)
+    assert row["regions"] == [{"name": "f", "lines": 2, "minutes": minutes}] and row["lab_minutes"] == minutes
+    assert doc_numbers.estimate_value("lab:04", tmp_path) == str(minutes)
+    assert doc_numbers.estimate_value("regions:04", tmp_path) == "1"
+    assert doc_numbers.region_value("04:f", tmp_path) == str(minutes)
+    with pytest.raises(KeyError, match="not among notebook 04's regions"):
+        doc_numbers.region_value("04:g", tmp_path)
+    assert f"| `04_x` | `f` | 2 | {minutes} |" in course_times.regions_table(tmp_path)

@@ -398,47 +398,6 @@ def test_memory_estimate_covers_qk_norm_and_head_dim():
         assert abs(est["peak_bytes"] / got["peak_bytes"] - 1) < 0.05, (amp, est["peak_bytes"], got["peak_bytes"])
 
 
-# ------------------------------------------------------------------ MiniMind-3's augmentation (an option, off by default)
-def test_augmentation_is_off_by_default_and_seeded(tok, tmp_path):
-    src = DATA / "sft_t2t_mini.jsonl"
-    off = C.tokenize_to_memmap(src, tok, tmp_path / "off", kind="sft", num_workers=0, progress=False)
-    plain = D.SFTDataset(src, tok, seq_len=1024)
-    assert all(D.SFTDataset(off.prefix, tok, 1024)[i]["input_ids"].tolist() == plain[i]["input_ids"].tolist()
-               for i in range(len(plain)))
-    a = C.tokenize_to_memmap(src, tok, tmp_path / "a", kind="sft", num_workers=0, progress=False, augment_seed=0)
-    b = C.tokenize_to_memmap(src, tok, tmp_path / "b", kind="sft", num_workers=2, chunk_size=7, progress=False,
-                             augment_seed=0)  # other workers and chunks: the same draws, per sample
-    c = C.tokenize_to_memmap(src, tok, tmp_path / "c", kind="sft", num_workers=0, progress=False, augment_seed=1)
-    files = lambda info: [Path(info.prefix + ext).read_bytes() for ext in (".bin", ".mask.bin", ".idx.npy")]
-    assert files(a) == files(b) != files(c) != files(off)
-    assert not C.memmap_is_fresh(a.prefix, src, tok, kind="sft")[0]  # the seed is part of the cache's key
-    assert C.memmap_is_fresh(a.prefix, src, tok, kind="sft", augment_seed=0)[0]
-    with pytest.raises(ValueError, match="augment_seed is MiniMind-3's SFT augmentation"):
-        C.tokenize_to_memmap(DATA / "pretrain_t2t_mini.jsonl", tok, tmp_path / "p", augment_seed=0)
-
-
-def test_augmentation_draws_as_minimind3(tok, tmp_path):
-    import random
-    records = [json.loads(line)["conversations"] for line in (DATA / "sft_t2t_mini.jsonl").open(encoding="utf-8")]
-    added, kept = 0, 0
-    for i in range(2000):
-        conv = records[i % len(records)]
-        got, empty_think = C.augment_minimind3(conv, random.Random(i))
-        kept += empty_think
-        if got is not conv:  # a system prompt put first: never where tools or a system turn are
-            assert conv[0]["role"] != "system" and got[1:] == conv and got[0]["content"] in C.SYSTEM_PROMPTS
-            added += 1
-    no_system = sum(records[i % len(records)][0]["role"] != "system" for i in range(2000))
-    assert abs(added / no_system - 0.2) < 0.04 and abs(kept / 2000 - 0.2) < 0.03  # 20%, and 80% lose empty thinks
-    # the draw reaches the template: with a <think> template, an empty block is left out or kept as drawn
-    tok3 = minimind3_tokenizer(tok, tmp_path)
-    conv = [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
-    texts = {tok3.decode(C.encode_sft(tok3, conv, random.Random(i))[0].tolist()) for i in range(20)}
-    assert texts == {tok3.apply_chat_template(conv), tok3.apply_chat_template(conv, empty_think=False)}
-    ids, mask = C.encode_sft(tok3, conv, random.Random(next(i for i in range(20) if random.Random(i).random() > 0.2)))
-    assert tok3.decode(ids[mask == 1].tolist()) == "a<|im_end|>\n"
-
-
 def test_caches_with_the_old_masks_are_rebuilt(tok, tmp_path):
     """A memmap tokenized before the newline after <|im_end|> was trained (format 1) is stale, never reused."""
     src = DATA / "sft_t2t_mini.jsonl"

@@ -84,14 +84,6 @@ def test_open_thinking_on_both_templates(tok3):
     assert tok.apply_chat_template(msgs, add_generation_prompt=True).endswith("<|im_start|>assistant\n")
 
 
-def test_empty_think_false_leaves_out_only_empty_blocks(tok3):
-    msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"},
-            {"role": "user", "content": "q2"}, {"role": "assistant", "content": "b", "reasoning_content": "r"}]
-    full = tok3.apply_chat_template(msgs)
-    assert tok3.apply_chat_template(msgs, empty_think=False) == full.replace("<think>\n\n</think>\n\n", "")
-    assert "<think>\nr\n</think>\n\nb" in tok3.apply_chat_template(msgs, empty_think=False)
-
-
 @pytest.mark.parametrize("messages, match", [
     ([{"role": "user", "content": "q", "reasoning_content": "r"}],
      r"messages\[0\]\['reasoning_content'\] is only allowed on an assistant turn, not on a 'user' turn"),

@@ -102,7 +102,7 @@ def test_lr_schedule_warmup_then_cosine():
 def test_resolve_amp(monkeypatch):
     monkeypatch.setattr(device_mod, "bf16_native", lambda d: False)
     assert resolve_amp("auto", "cpu") == AmpSettings(None, False, resolve_amp("auto", "cpu").reason)
-    assert "slower" in resolve_amp("auto", "cpu").reason
+    assert "no bf16 instructions on this CPU" in resolve_amp("auto", "cpu").reason  # what decides it, named
     assert resolve_amp("auto", "cuda").dtype == torch.float16 and resolve_amp("auto", "cuda").use_scaler
     assert resolve_amp("auto", "mps").dtype == torch.float16 and resolve_amp("auto", "mps").use_scaler
     assert resolve_amp("auto", "cpu", hidden_size=4096).dtype is None  # no native bf16: fp32 at any size
@@ -112,6 +112,7 @@ def test_resolve_amp(monkeypatch):
     assert resolve_amp("auto", "cpu", hidden_size=512).dtype == torch.bfloat16
     below = resolve_amp("auto", "cpu", hidden_size=64)  # the smoke model
     assert below.dtype is None and not below.use_scaler and "hidden size 64 < 256" in below.reason
+    assert "notebook 05's width sweep" in below.reason and "AVX512-BF16" in below.reason  # where the bar was measured
     assert resolve_amp("auto", "cpu").dtype is None and "model size not given" in resolve_amp("auto", "cpu").reason
     assert resolve_amp("auto", "cuda", hidden_size=64).dtype == torch.bfloat16  # CUDA: bf16 whatever the size
     a = resolve_amp("auto", "cuda")

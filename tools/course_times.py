@@ -22,10 +22,14 @@ from pathlib import Path
 
 import nbformat
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import handout  # noqa: E402  (the lab edition's regions, as `make handout` finds them)
+
 REPO = Path(__file__).resolve().parents[1]
 TIMINGS_DIR = REPO / "docs" / "timings"
 START, END = "<!-- course-times:start -->", "<!-- course-times:end -->"
 ESTIMATES_START, ESTIMATES_END = "<!-- course-estimates:start -->", "<!-- course-estimates:end -->"
+REGIONS_START, REGIONS_END = "<!-- lab-regions:start -->", "<!-- lab-regions:end -->"
 PROFILE_ORDER = ("smoke", "workshop", "cpu", "gpu")
 
 
@@ -124,30 +128,70 @@ def minutes_table(timings_dir: Path = TIMINGS_DIR) -> str:
 
 # Estimates, not measurements: a study pace for prose, a pace for reading (not typing) code, a time per exercise.
 WORDS_PER_MINUTE, CODE_LINES_PER_MINUTE, MINUTES_PER_EXERCISE = 120, 15, 10
+# A lab region (the learner writes a mechanism): a fixed time to read its docstring, run the check and read one
+# message, plus a pace for writing (not reading) new code, counted in the solution's non-blank lines.
+MINUTES_PER_REGION, WRITTEN_LINES_PER_MINUTE = 5, 1
+
+
+OPTIONAL_PART = re.compile(r"^## Part \d+ \(optional\)")  # a notebook's optional part runs from this heading to its end
+
+
+def _reading(cells: list) -> tuple[int, int, float]:
+    """Words of the markdown cells, non-blank code lines, and the minutes to read both at the stated paces."""
+    words = sum(len(c.source.split()) for c in cells if c.cell_type == "markdown")
+    code = sum(len([ln for ln in c.source.splitlines() if ln.strip()]) for c in cells if c.cell_type == "code")
+    return words, code, words / WORDS_PER_MINUTE + code / CODE_LINES_PER_MINUTE
+
+
+def region_estimates(nb: nbformat.NotebookNode, name: str) -> list[dict]:
+    """The notebook's lab regions in order: name, non-blank solution lines, and the minutes to write it (the rule)."""
+    rows = []
+    for cell in nb.cells:
+        lines = cell.source.split("\n")
+        for r in (handout.find_regions(cell.source, name) if cell.cell_type == "code" else []):
+            written = len([ln for ln in lines[r.begin + 1:r.end] if ln.strip() and not ln.strip().startswith("#")])
+            rows.append({"name": r.name, "lines": written,
+                         "minutes": round(MINUTES_PER_REGION + written / WRITTEN_LINES_PER_MINUTE)})
+    return rows
 
 
 def estimates(notebook_dir: Path = REPO / "notebooks") -> dict[str, dict]:
     """Per notebook (by its number, "00"...): words, code lines, exercises, and the estimated reading and exercise
-    minutes, rounded as the table shows them (so that the guide's sums are sums of its table)."""
+    minutes, rounded as the table shows them (so that the guide's sums are sums of its table). "reading" leaves out
+    an optional part (from a "## Part N (optional)" heading on), whose reading minutes are "optional"."""
     rows = {}
     for path in sorted(notebook_dir.glob("[0-9][0-9]_*.ipynb")):
         cells = nbformat.read(path, as_version=4).cells
-        words = sum(len(c.source.split()) for c in cells if c.cell_type == "markdown")
-        code = sum(len([ln for ln in c.source.splitlines() if ln.strip()]) for c in cells if c.cell_type == "code")
+        start = next((i for i, c in enumerate(cells) if c.cell_type == "markdown" and OPTIONAL_PART.match(c.source)),
+                     len(cells))
+        (words, code, reading), optional = _reading(cells[:start]), _reading(cells[start:])
         exercises = sum(bool(re.match(r"#+ Exercise \d", c.source)) for c in cells if c.cell_type == "markdown")
-        rows[path.stem[:2]] = {"stem": path.stem, "words": words, "code": code, "exercises": exercises,
-                               "reading": round(words / WORDS_PER_MINUTE + code / CODE_LINES_PER_MINUTE),
-                               "exercise_minutes": exercises * MINUTES_PER_EXERCISE}
+        regions = region_estimates(nbformat.NotebookNode(cells=cells[:start]), path.stem)
+        rows[path.stem[:2]] = {"stem": path.stem, "words": words + optional[0], "code": code + optional[1],
+                               "exercises": exercises, "reading": round(reading), "optional": round(optional[2]),
+                               "exercise_minutes": exercises * MINUTES_PER_EXERCISE, "regions": regions,
+                               "lab_minutes": sum(r["minutes"] for r in regions)}
     return rows
 
 
 def estimate_table(notebook_dir: Path = REPO / "notebooks") -> str:
     """Estimated minutes a learner spends reading and doing the exercises of each notebook, from its text."""
-    lines = ["| notebook | words | code lines | exercises | reading (min, est.) | exercises (min, est.) |",
-             "|---|---:|---:|---:|---:|---:|"]
+    lines = ["| notebook | words | code lines | exercises | reading (min, est.) | optional part (min, est.) | "
+             "exercises (min, est.) |", "|---|---:|---:|---:|---:|---:|---:|"]
     for r in estimates(notebook_dir).values():
         lines.append(f"| `{r['stem']}` | {r['words']:,} | {r['code']:,} | {r['exercises']} | {r['reading']} | "
-                     f"{r['exercise_minutes']} |")
+                     f"{r['optional'] or ''} | {r['exercise_minutes']} |")
+    return "\n".join(lines)
+
+
+def regions_table(notebook_dir: Path = REPO / "notebooks") -> str:
+    """The lab edition's regions (Part 1 of each notebook): what the learner writes, and the minutes by the rule."""
+    lines = ["| notebook | region (the learner writes) | solution lines | minutes (est.) |", "|---|---|---:|---:|"]
+    for r in estimates(notebook_dir).values():
+        for region in r["regions"]:
+            lines.append(f"| `{r['stem']}` | `{region['name']}` | {region['lines']} | {region['minutes']} |")
+        if r["regions"]:
+            lines.append(f"| `{r['stem']}` | **all {len(r['regions'])}** | | **{r['lab_minutes']}** |")
     return "\n".join(lines)
 
 
@@ -180,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     up_to_date = write_table(args.write, table, check=args.check)
     up_to_date &= write_table(args.write, estimate_table(), args.check, ESTIMATES_START, ESTIMATES_END)
+    up_to_date &= write_table(args.write, regions_table(), args.check, REGIONS_START, REGIONS_END)
     print(f"{args.write}: {'up to date' if up_to_date else ('out of date' if args.check else 'table rewritten')}")
     return 1 if args.check and not up_to_date else 0
 

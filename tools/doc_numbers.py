@@ -4,9 +4,12 @@ A number in docs/teaching.md, docs/answers.md or README.md that comes from a tab
 between markers, `<!--n:KEY-->VALUE<!--/n-->` (invisible once rendered), and this script rewrites VALUE from KEY:
 
     est:COLUMN:NOTEBOOKS[<=LIMIT]  a sum of the guide's estimates table (tools/course_times.py): COLUMN is reading,
-                                   exercises, total (minutes) or hours; NOTEBOOKS is `all`, `04-06` or `07,08`;
+                                   exercises, total (minutes; without optional parts), optional (the optional parts'
+                                   reading), lab (minutes to write the lab edition's regions), regions (how many)
+                                   or hours; NOTEBOOKS is `all`, `04-06` or `07,08`;
                                    terms add up (`total:07,08+exercises:09`). With <=LIMIT the minutes must fit in
                                    LIMIT (a plan's session), or this fails and names the session.
+    region:NN:NAME[,NAME...]       minutes of those lab regions of notebook NN (the lab-regions table), summed
     run:PROFILE:NOTEBOOKS          minutes measured in that profile (docs/timings/PROFILE.json), summed
     out:NAME                       a value printed by a committed notebook (OUTPUTS below: notebook, pattern, format)
     committed:profile|device|cores the profile, device and CPU cores that every committed notebook's outputs come from
@@ -38,6 +41,10 @@ DOCS = (REPO / "docs" / "teaching.md", REPO / "docs" / "answers.md", REPO / "REA
 OUTPUTS: dict[str, tuple[str, str, str | None]] = {
     "01.held_out_bytes_per_token": ("01", r"held-out slice: [\d,]+ bytes -> [\d,]+ tokens, ([\d.]+) bytes per token",
                                     None),
+    "03.init_loss_defaults": ("03", r"\nPyTorch defaults +([\d.]+) ", None),
+    "03.init_loss_init_weights": ("03", r"\ninit_weights +([\d.]+) ", None),
+    "03.mm3_fp32_peak": ("03", r"\noff +([\d.]+) +[\d.]+ +[\d.]+ +True", None),
+    "03.mm3_fp32_activations": ("03", r"\noff +[\d.]+ +[\d.]+ +([\d.]+) +True", None),
     "07.amp": ("07", r'"amp": "(\w+)"', None),
     "07.tokens": ("07", r'"tokens": (\d+)', "{:,.0f}"),
     "07.steps": ("07", r'"steps": (\d+)', None),
@@ -130,7 +137,8 @@ def estimate_value(spec: str, notebook_dir: Path = NOTEBOOKS) -> str:
     terms, _, limit = spec.partition("<=")
     table = course_times.estimates(notebook_dir)
     columns = {"reading": lambda r: r["reading"], "exercises": lambda r: r["exercise_minutes"],
-               "total": lambda r: r["reading"] + r["exercise_minutes"]}
+               "total": lambda r: r["reading"] + r["exercise_minutes"], "optional": lambda r: r["optional"],
+               "lab": lambda r: r["lab_minutes"], "regions": lambda r: len(r["regions"])}
     minutes = 0
     for term in terms.split("+"):
         column, _, chosen = term.partition(":")
@@ -153,11 +161,21 @@ def measured_value(spec: str, timings_dir: Path = course_times.TIMINGS_DIR) -> s
     return f"{sum(by_number[n] for n in _notebooks(chosen, sorted(by_number))) / 60:.1f}"
 
 
+def region_value(spec: str, notebook_dir: Path = NOTEBOOKS) -> str:
+    """region:NN:NAME[,NAME...]: the minutes the lab-regions table gives those regions of notebook NN, summed."""
+    number, _, names = spec.partition(":")
+    found = {r["name"]: r["minutes"] for r in course_times.estimates(notebook_dir)[number]["regions"]}
+    if missing := [n for n in names.split(",") if n not in found]:
+        raise KeyError(f"region:{spec}: {missing} not among notebook {number}'s regions {sorted(found)}")
+    return str(sum(found[n] for n in names.split(",")))
+
+
 def value_of(key: str, notebook_dir: Path = NOTEBOOKS, timings_dir: Path = course_times.TIMINGS_DIR) -> str:
     """The text a marker's key stands for."""
     source, _, spec = key.partition(":")
     sources = {"est": lambda: estimate_value(spec, notebook_dir), "run": lambda: measured_value(spec, timings_dir),
-               "out": lambda: output_value(spec, notebook_dir), "committed": lambda: committed_value(spec, notebook_dir)}
+               "out": lambda: output_value(spec, notebook_dir), "committed": lambda: committed_value(spec, notebook_dir),
+               "region": lambda: region_value(spec, notebook_dir)}
     if source not in sources:
         raise KeyError(f"{key!r}: a key starts with one of {', '.join(s + ':' for s in sources)}")
     return sources[source]()
