@@ -35,8 +35,8 @@ class ChatBox:
 
         def stream(piece: str) -> None:
             pieces.append(piece)
-            if self._widget is not None:
-                self._answer.value = self._render(prompt, "".join(pieces))
+            if self._widget is not None:  # without the leading whitespace that the final answer strips: no jump
+                self._answer.value = self._render(prompt, "".join(pieces).lstrip())
 
         answer = chat(prompt, self.model, self.tokenizer, history=self.history if self.keep_history else None,
                       temperature=self.temperature, top_p=self.top_p, max_new_tokens=self.max_new_tokens,
@@ -58,8 +58,10 @@ class ChatBox:
         if self._widget is None:
             self._input = w.Text(placeholder="Ask something and press Enter", layout=w.Layout(width="70%"))
             self._send = w.Button(description="Send")
-            self._temp = w.FloatSlider(value=self.temperature, min=0.0, max=1.5, step=0.05, description="temperature")
-            self._top_p = w.FloatSlider(value=self.top_p, min=0.05, max=1.0, step=0.05, description="top-p")
+            label = {"description_width": "initial"}  # the label's own width: "temperature" is never cut
+            self._temp = w.FloatSlider(value=self.temperature, min=0.0, max=1.5, step=0.05, description="temperature",
+                                       style=label)
+            self._top_p = w.FloatSlider(value=self.top_p, min=0.05, max=1.0, step=0.05, description="top-p", style=label)
             self._answer = w.HTML(value="")
 
             def on_send(_=None) -> None:

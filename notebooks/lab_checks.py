@@ -791,6 +791,239 @@ def _compare_pad_batch(fn: Callable, g: torch.Generator) -> None:
 
 
 # ======================================================================================================================
+# 07_pretrain and 08_sft: the verdict against the band, bits per byte, the assistant mask, generation, top-p
+# ======================================================================================================================
+import math  # noqa: E402
+import re  # noqa: E402
+from unittest import mock  # noqa: E402
+
+import pandas as pd  # noqa: E402
+
+from minimind_lib import evaluate as ev  # noqa: E402
+from minimind_lib import generate as G  # noqa: E402
+
+
+# 07 the verdict -------------------------------------------------------------------------------------------------------
+def _random_run(g: torch.Generator) -> tuple[pd.DataFrame, dict]:
+    """A band (grid, lower, upper) and validation points that wander in and out of it, some past 1.1 x its end."""
+    n = _int(g, 3, 12)
+    tokens = np.cumsum(np.r_[0.0, torch.rand(n - 1, generator=g).double().numpy() + 0.2]) * 1000
+    median = 8.8 - 3 * np.linspace(0, 1, n) ** 0.5
+    half = torch.rand(n, generator=g).double().numpy() * 0.3 + 0.05
+    ref = {"tokens": tokens.tolist(), "lower": (median - half).tolist(), "upper": (median + half).tolist(),
+           "quantiles": {"0.5": median.tolist()}}
+    x = np.sort(np.r_[0.0, torch.rand(_int(g, 0, 9), generator=g).double().numpy() * 1.3 * tokens[-1]])
+    side, sides = _int(g, -1, 1), []
+    for _ in x:  # runs of points on one side: a side changes at a third of the points
+        side = _int(g, -1, 1) if _int(g, 0, 2) == 0 else side
+        sides.append(side)
+    margin = torch.rand(len(x), generator=g).double().numpy()
+    width = np.interp(x, tokens, half)
+    loss = np.interp(x, tokens, median) + np.where(np.array(sides) == 0, (2 * margin - 1) * 0.8 * width,
+                                                   np.array(sides) * (width + 0.01 + margin * 0.5))
+    return pd.DataFrame({"step": range(len(x)), "tokens_seen": x, "val_loss": loss}), ref
+
+
+def _library_verdict(val: pd.DataFrame, ref: dict) -> tuple[str, int | None]:
+    """minimind_lib's judge (evaluate.judge) on these points and this band: (inside|above|below, N or None)."""
+    band = {"profile": "random", "n_seeds": 5, "seeds": [1, 2, 3, 4, 5], "method": "",
+            "made_by": dict.fromkeys(("device", "cpu", "threads", "torch", "date"), "?")}
+    with mock.patch.object(ev, "load_band", lambda cfg: (band, {"dtype": "fp32", "training": {}, **ref})), \
+            mock.patch.object(ev, "doctor", lambda *args: []):  # divergence is the doctor's, not this exercise's
+        out = ev.judge(pd.DataFrame(val), {"stage": "pretrain", "train": {}})
+    since = re.search(r" from ([\d,]+) tokens on", out["summary"])
+    return out["verdict"], int(since.group(1).replace(",", "")) if since else None
+
+
+def _verdict_mistake(fn: Callable) -> str | None:
+    ref = {"tokens": [0.0, 1000.0], "lower": [8.0, 5.0], "upper": [9.0, 6.0], "quantiles": {"0.5": [8.5, 5.5]}}
+    if fn(pd.DataFrame({"tokens_seen": [0.0, 500.0, 2000.0], "val_loss": [8.5, 7.0, 9.0]}), ref)[0] != "inside":
+        return "It judges a point past 1.1 x the band's last token count: the band says nothing there."
+    if fn(pd.DataFrame({"tokens_seen": [0.0, 400.0, 800.0], "val_loss": [9.5, 6.0, 6.3]}), ref)[0] == "above":
+        return "The first point decides; the last point does (where the run ended)."
+    return None
+
+
+@region("my_verdict", "read the band's lower and upper at each point's tokens (np.interp), keep the points up to 1.1 "
+        "times the band's last token count, mark each above, below or inside; the last point decides, and N is where "
+        "the last unbroken run of points on its side began.", fallback=lambda fn: _library_verdict,
+        probes=(_verdict_mistake,))
+def _compare_verdict(fn: Callable, g: torch.Generator) -> None:
+    for k in range(30):
+        val, ref = _random_run(g)
+        yours = fn(val.copy(), ref)
+        if not isinstance(yours, tuple) or len(yours) != 2:
+            raise Different(f"my_verdict returns {yours!r}: it should return (verdict, N).")
+        first_item_difference(f"(verdict, N) for the points {val[['tokens_seen', 'val_loss']].round(3).values.tolist()}"
+                              f" against a band ending at {ref['tokens'][-1]:.0f} tokens", [yours[0], yours[1]],
+                              list(_library_verdict(val, ref)))
+
+
+# 07 bits per byte -----------------------------------------------------------------------------------------------------
+def _model(g: torch.Generator, layers: int = 1) -> torch.nn.Module:
+    return _randomize(mm.MiniMindForCausalLM(_config(g, layers)), g).eval()
+
+
+def _library_total_nats(model: torch.nn.Module, ids: Sequence[int]) -> float:
+    """minimind_lib's scoring (evaluate.token_scores) of [bos] + ids: the sum of the next tokens' losses, in nats."""
+    return float(ev.token_scores(model, [np.array([_tokenizer().bos_token_id, *ids])])[0][0].astype(np.float64).sum())
+
+
+def _nats_mistake(fn: Callable) -> str | None:
+    g = torch.Generator().manual_seed(0)
+    model, ids = _model(g), [5, 17, 3, 40, 8, 11]
+    got, want = float(fn(model, list(ids))), _library_total_nats(model, ids)
+    if math.isclose(got, want / len(ids), rel_tol=1e-4):
+        return "It is the mean loss per token; bits per byte needs the total (the sum over the tokens)."
+    if math.isclose(got, want - float(ev.token_scores(model, [np.array([1, ids[0]])])[0][0][0]), rel_tol=1e-4):
+        return "It leaves out the first token (scored from [bos] alone): forward [bos] + ids, so every token is scored."
+    return None
+
+
+@region("total_nats", "run the model on [bos] followed by the ids; the logits at each position score the next token: "
+        "the sum of the cross-entropies of all of them (every token of the document, the first one given [bos]).",
+        fallback=lambda fn: _library_total_nats, probes=(_nats_mistake,))
+def _compare_total_nats(fn: Callable, g: torch.Generator) -> None:
+    model = _model(g)
+    for _ in range(5):
+        ids = torch.randint(3, model.config.vocab_size, (_int(g, 1, 40),), generator=g).tolist()
+        yours = torch.tensor([float(fn(model, list(ids)))], dtype=torch.float64)
+        first_difference(f"total_nats of a random model on the {len(ids)} ids {ids}", yours,
+                         torch.tensor([_library_total_nats(model, ids)], dtype=torch.float64), 1e-4)
+
+
+def _library_bits_per_byte(nats: float, text: str) -> float:
+    """minimind_lib's bits per byte (evaluate.ladder_row, unrounded): nats / (ln 2 x the text's UTF-8 bytes)."""
+    return nats / (math.log(2) * len(text.encode("utf-8")))
+
+
+def _bpb_mistake(fn: Callable) -> str | None:
+    if math.isclose(float(fn(10.0, "床前明月光")), 10.0 / (math.log(2) * 5), rel_tol=1e-6):
+        return "It divides by the characters; a Chinese character is 3 bytes in UTF-8: count the bytes."
+    if math.isclose(float(fn(10.0, "abcde")), 2.0, rel_tol=1e-6):
+        return "It leaves the loss in nats: one bit is ln 2 nats."
+    return None
+
+
+@region("bits_per_byte", "turn the nats into bits (one bit is ln 2 nats) and divide by the number of bytes the text "
+        "takes in UTF-8.", fallback=lambda fn: _library_bits_per_byte, probes=(_bpb_mistake,))
+def _compare_bits_per_byte(fn: Callable, g: torch.Generator) -> None:
+    for _ in range(10):
+        text, nats = _words(g, 1, 20), float(torch.rand(1, generator=g)) * 500
+        first_difference(f"bits_per_byte({nats:.4f}, {text!r})", torch.tensor([float(fn(nats, text))], dtype=torch.float64),
+                         torch.tensor([_library_bits_per_byte(nats, text)], dtype=torch.float64), 1e-9)
+
+
+# 08 the assistant mask: the same rule as 02's (assistant_mask), written again in 08 with the chapter's names -----------
+CHECKS["assistant_mask_of"] = CHECKS["assistant_mask"]
+
+
+# 08 generation with a KV cache ----------------------------------------------------------------------------------------
+def _greedy(logits: torch.Tensor) -> torch.Tensor:
+    return logits.argmax(dim=-1)
+
+
+@torch.no_grad()
+def _library_generate(model: torch.nn.Module, prompt_ids: Sequence[int], max_new_tokens: int, pick: Callable = _greedy,
+                      stop_ids: Sequence[int] = (), use_cache: bool = True) -> list[int]:
+    """generate_ids's loop (minimind_lib.generate) with the chapter's signature: `pick` chooses from the last logits."""
+    model.eval()
+    seq = torch.tensor([list(prompt_ids)], device=next(model.parameters()).device)
+    out, new = model(seq, use_cache=use_cache, logits_to_keep=1), []
+    while True:
+        token = pick(out.logits[:, -1])
+        new.append(int(token))
+        if new[-1] in stop_ids or len(new) == max_new_tokens:
+            return new
+        seq = torch.cat([seq, token[:, None]], dim=1)
+        out = (model(token[:, None], past_key_values=out.past_key_values, use_cache=True, logits_to_keep=1)
+               if use_cache else model(seq, logits_to_keep=1))
+
+
+def _calls(model: torch.nn.Module, run: Callable) -> tuple[Any, list[int]]:
+    """What run() returns, and the positions each forward call of the model processed."""
+    seen: list[int] = []
+    hook = model.register_forward_pre_hook(lambda module, args: seen.append(args[0].shape[1]))
+    try:
+        return run(), seen
+    finally:
+        hook.remove()
+
+
+def _generate_mistake(fn: Callable) -> str | None:
+    model = _model(torch.Generator().manual_seed(1), layers=2)
+    tokens, seen = _calls(model, lambda: fn(model, [1, 5, 9, 4], 6))
+    if seen == [4 + k for k in range(len(tokens))]:
+        return "With use_cache=True it runs the whole sequence again at every step: the cache is never used."
+    if len(seen) > 1 and seen[1] > 1:
+        return ("With the cache it feeds more than the new token: the cache already holds the keys and values of "
+                "every earlier position, so each step feeds one token.")
+    return None
+
+
+@region("my_generate", "run the whole prompt once (use_cache=True gives past_key_values); then, until a stop id or "
+        "max_new_tokens: pick a token from the last position's logits, append it, and feed only that token with the "
+        "cache (without the cache: the whole sequence, one longer).", fallback=lambda fn: _library_generate,
+        probes=(_generate_mistake,))
+def _compare_generate(fn: Callable, g: torch.Generator) -> None:
+    model = _model(g, layers=2)
+    prompt = torch.randint(0, model.config.vocab_size, (_int(g, 1, 12),), generator=g).tolist()
+    n = _int(g, 2, 20)
+    free = G.generate_ids(model, torch.tensor(prompt), n, temperature=0)[0].tolist()
+    stops = [free[_int(g, 1, n - 1)]] if _int(g, 0, 1) else []  # a stop id the answer meets (at its first occurrence)
+    want = G.generate_ids(model, torch.tensor(prompt), n, temperature=0, stop_token_ids=stops)[0].tolist()
+    for use_cache in (True, False):
+        (yours, seen) = _calls(model, lambda: fn(model, list(prompt), n, _greedy, stops, use_cache))
+        first_item_difference(f"the greedy tokens after the prompt {prompt} (max_new_tokens={n}, stop_ids={stops}, "
+                              f"use_cache={use_cache}) of a random model", _ints(yours, "the new tokens"), want)
+        calls = [len(prompt)] + [1] * (len(want) - 1) if use_cache else [len(prompt) + k for k in range(len(want))]
+        first_item_difference(f"the positions each forward call processed (use_cache={use_cache})", seen, calls)
+
+
+# 08 top-p -------------------------------------------------------------------------------------------------------------
+def _library_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The logits minimind_lib samples from (generate.sample_next at temperature 1), -inf outside the nucleus."""
+    drawn = {}
+
+    def capture(probs, n, generator=None):
+        drawn["probs"] = probs
+        return torch.zeros(probs.shape[0], 1, dtype=torch.long)
+
+    with mock.patch.object(G.torch, "multinomial", capture):
+        G.sample_next(logits.float(), 1.0, top_p)
+    return logits.float().masked_fill(drawn["probs"] == 0, float("-inf"))
+
+
+def _top_p_mistake(fn: Callable) -> str | None:
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0, -1.0]])
+    kept = torch.isfinite(fn(logits.clone(), 0.8))[0].tolist()
+    want = torch.isfinite(_library_top_p(logits, 0.8))[0].tolist()
+    if kept == [not k for k in want] or (not kept[0] and kept[-1]):
+        return ("It keeps the wrong side: the unlikely tail instead of the nucleus; top-p keeps the most likely "
+                "tokens, whose probabilities together reach p, and drops the rest.")
+    if sum(kept) == sum(want) - 1:
+        return ("It drops the token that carries the sum past p: a token goes only when the tokens before it already "
+                "hold p (the cumulative sum minus its own probability), so the most likely one always stays.")
+    if sum(kept) == sum(want) + 1:
+        return "It keeps one token too many: a token whose more likely predecessors already hold p is dropped."
+    return None
+
+
+@region("keep_top_p", "sort the probabilities, most likely first; a token is dropped when the tokens before it already "
+        "hold top_p; set the dropped ones' logits to -inf and put the logits back in vocabulary order.",
+        fallback=lambda fn: _library_top_p, probes=(_top_p_mistake,))
+def _compare_top_p(fn: Callable, g: torch.Generator) -> None:
+    for _ in range(10):
+        logits = torch.randn(_int(g, 1, 4), _int(g, 5, 300), generator=g) * (float(torch.rand(1, generator=g)) * 4 + 0.5)
+        top_p = round(float(torch.rand(1, generator=g)) * 0.9 + 0.05, 3)
+        yours = fn(logits.clone(), top_p)
+        if not torch.is_tensor(yours):
+            raise Different(f"keep_top_p returns a {type(yours).__name__}, not a tensor of logits.")
+        first_difference(f"the probabilities to sample from, softmax of keep_top_p(logits of shape {tuple(logits.shape)}, "
+                         f"{top_p})", yours.float().softmax(-1), _library_top_p(logits, top_p).softmax(-1), 1e-6)
+
+
+# ======================================================================================================================
 # 04_gradient_accumulation and 05_mixed_precision: the schedule, clipping, the update, exact accumulation, loss scaling
 # ======================================================================================================================
 import copy  # noqa: E402
