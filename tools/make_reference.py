@@ -5,7 +5,10 @@ and `sft` do) once per seed, and writes minimind_lib/assets/bands/PROFILE.json: 
 every seed against trained tokens, its quantiles on a common token grid, and the 95% prediction interval for one more
 seed (mean +- t * sd * sqrt(1 + 1/n), n seeds) that `compare` and notebooks 07/08 judge a run against. The file records
 the seeds, the dtype, the torch threads, the device and CPU, torch's version, the date and this command. The runs go
-to a temporary folder (or --work DIR, which must not exist yet), removed at the end unless --keep.
+to a temporary folder (or --work DIR, which must not exist yet), removed at the end unless --keep. With --reuse,
+--work names the folder of an earlier invocation's --keep: a seed's stage that finished there (its summary.json
+written) is read back instead of trained again, and the folder is left as it was (a run the code of the day would
+train differently is the user's to rule out: compare one seed's metrics.csv with a fresh run's).
 """
 
 from __future__ import annotations
@@ -20,13 +23,15 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import torch
 
 from minimind_lib import pipeline
+from minimind_lib.checkpoint import read_run_config
 from minimind_lib.device import device_name
-from minimind_lib.evaluate import BAND_FORMAT, BAND_VERSION, BANDS_DIR, comparable, final_gap, grad_spikes
+from minimind_lib.evaluate import BAND_FORMAT, BAND_VERSION, BANDS_DIR, comparable, final_gap, grad_spikes, read_metrics
 from minimind_lib.fileio import atomic_write_text
 from minimind_lib.profiles import PROFILES, get_profile
 
@@ -76,13 +81,25 @@ def stage_band(runs: list[dict], t95: float) -> dict:
             "wall_time_s": [r["wall_time_s"] for r in runs]}
 
 
-def run_seed(profile: str, seed: int, work: Path) -> dict[str, dict]:
+def finished_run(run_dir: Path) -> tuple[SimpleNamespace, float] | None:
+    """(metrics and config, as pipeline returns them; its wall time) of a run that finished in run_dir, else None."""
+    if not (summary := run_dir / "summary.json").is_file():
+        return None
+    return (SimpleNamespace(metrics=read_metrics(run_dir), config=read_run_config(run_dir)),
+            json.loads(summary.read_text())["wall_time_s"])
+
+
+def run_seed(profile: str, seed: int, work: Path, reuse: bool = False) -> dict[str, dict]:
     """The profile's pretraining and SFT for one seed; per stage what the band needs from it."""
     out, found = {}, {}
     for stage in ("pretrain", "sft"):
         t0 = time.perf_counter()
         kwargs = dict(profile=profile, seed=seed, progress=False, cache_dir=work / "cache", log=lambda msg: None)
-        if stage == "pretrain":
+        if reuse and (earlier := finished_run(work / f"seed{seed}" / stage)) is not None:
+            result, wall = earlier
+            t0 = time.perf_counter() - wall
+            print(f"seed {seed} {stage}: read back from {work / f'seed{seed}' / stage} (--reuse)", flush=True)
+        elif stage == "pretrain":
             result = pipeline.pretrain(out=work / f"seed{seed}" / stage, sample_every=0, **kwargs)
         else:
             result = pipeline.sft(out=work / f"seed{seed}" / stage, init=work / f"seed{seed}" / "pretrain", **kwargs)
@@ -108,19 +125,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="band file (default minimind_lib/assets/bands/PROFILE.json)")
     parser.add_argument("--work", default=None, help="folder for the runs (must not exist; default: a temporary one)")
     parser.add_argument("--keep", action="store_true", help="keep the runs' folder")
+    parser.add_argument("--reuse", action="store_true", help="--work is an earlier --keep's folder: read back the "
+                        "stages that finished there, train the rest, leave the folder")
     args = parser.parse_args(argv)
+    if args.reuse and not (args.work and Path(args.work).is_dir()):
+        parser.error("--reuse needs --work DIR, the folder an earlier --keep left")
     if args.seeds < 2:
         parser.error("--seeds: a band needs at least 2 seeds (5 or more for a committed one)")
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix=f"band-{args.profile}-"))
-    if args.work:
+    if args.work and not args.reuse:
         work.mkdir(parents=True)  # refuses an existing folder: this tool removes only what it made
     out = Path(args.out) if args.out else BANDS_DIR / f"{args.profile}.json"
     seeds = list(range(args.first_seed, args.first_seed + args.seeds))
     started = datetime.datetime.now(datetime.timezone.utc)
     try:
-        runs = [run_seed(args.profile, seed, work) for seed in seeds]
+        runs = [run_seed(args.profile, seed, work, args.reuse) for seed in seeds]
     finally:
-        if not args.keep:
+        if not (args.keep or args.reuse):
             shutil.rmtree(work, ignore_errors=True)
     t95 = t_quantile(0.975, len(seeds) - 1)
     band = {"format": BAND_FORMAT, "version": BAND_VERSION, "profile": args.profile, "n_seeds": len(seeds),
