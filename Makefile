@@ -7,6 +7,10 @@ STAMP  := $(VENV)/.installed
 # wheels, every install below uses only it (no network). WHEELHOUSE=DIR names another folder.
 WHEELHOUSE ?= wheelhouse
 PIP_FROM := $(if $(wildcard $(WHEELHOUSE)/*.whl),--no-index --find-links $(abspath $(WHEELHOUSE)))
+# Every Python these targets start (tests, notebooks, the course, benchmarks): an OpenMP thread that waits for its
+# partner sleeps instead of spinning, so 2 cores shared with other processes do not stall every small matmul
+# (notebook 00; `python -m benchmarks threads`). A value already in your environment wins.
+export OMP_WAIT_POLICY ?= PASSIVE
 
 .PHONY: venv lab test unit notebooks course kernel browser-test clean prepare-workshop handout reset course-times wheelhouse
 
@@ -30,8 +34,10 @@ wheelhouse:
 
 # The kernel's display name names this checkout, so JupyterLab shows which checkout's library a notebook runs (a
 # kernel registered from another checkout replaces this one: notebook 00 prints the library it imported, and warns).
+# The kernel imports minimind_lib before anything else, which sets OpenMP's wait policy before torch loads.
 kernel: venv
 	$(PY) -m ipykernel install --user --name minimind --display-name "Python (minimind: $(CURDIR))"
+	$(PY) tools/kernel_imports_library.py minimind
 
 lab: kernel
 	$(VENV)/bin/jupyter lab --notebook-dir=notebooks $(if $(filter 0,$(shell id -u)),--allow-root)

@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from . import WAIT_POLICY_SOURCE  # the package's first lines set the policy, before torch loads
+
 _NATIVE_CPU_FLAGS = {torch.bfloat16: {"avx512_bf16", "amx_bf16", "bf16"},  # /proc/cpuinfo flags: x86 AVX512, AMX; Arm
                      torch.float16: {"avx512_fp16", "amx_fp16", "asimdhp"}}  # x86 AVX512, AMX; Arm half-precision SIMD
 
@@ -94,7 +96,13 @@ def device_report(device: torch.device | None = None, profile: Any = None) -> di
             "torch": torch.__version__, "bf16_supported": bf16_supported(device), "bf16_native": bf16_native(device),
             "fp16_supported": autocast_runs(device.type, torch.float16),  # most CPUs emulate it (notebook 05)
             "fp16_native": device.type in ("cuda", "mps") or cpu_has_native(torch.float16),  # every GPU has fp16 math
-            "total_memory_bytes": total_memory_bytes(device), "cpu_threads": torch.get_num_threads()}
+            "total_memory_bytes": total_memory_bytes(device), "cpu_threads": torch.get_num_threads(),
+            "omp_wait_policy": wait_policy()}
+
+
+def wait_policy() -> str:
+    """OpenMP's wait policy as torch loaded it, and who set it (minimind_lib sets PASSIVE: notebook 00)."""
+    return f"{os.environ.get('OMP_WAIT_POLICY')} (from {WAIT_POLICY_SOURCE})"
 
 
 def describe(profile: Any = None, device: torch.device | None = None) -> str:

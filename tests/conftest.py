@@ -1,5 +1,6 @@
 """Fixtures shared by the test modules."""
 
+import minimind_lib  # noqa: F401  (first: it sets OpenMP's wait policy before torch loads, when pytest runs bare)
 import pytest
 import torch
 
