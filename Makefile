@@ -7,10 +7,13 @@ STAMP  := $(VENV)/.installed
 # wheels, every install below uses only it (no network). WHEELHOUSE=DIR names another folder.
 WHEELHOUSE ?= wheelhouse
 PIP_FROM := $(if $(wildcard $(WHEELHOUSE)/*.whl),--no-index --find-links $(abspath $(WHEELHOUSE)))
-# Every Python these targets start (tests, notebooks, the course, benchmarks): an OpenMP thread that waits for its
-# partner sleeps instead of spinning, so 2 cores shared with other processes do not stall every small matmul
-# (notebook 00; `python -m benchmarks threads`). A value already in your environment wins.
-export OMP_WAIT_POLICY ?= PASSIVE
+# Every Python these targets start (tests, notebook kernels, the course): an OpenMP thread that waits for its
+# partner spins briefly, then sleeps, so 2 cores shared with other processes do not stall every small matmul. The
+# same rule as minimind_lib/__init__.py (notebook 00; `python -m benchmarks threads`); yours win if you set either.
+ifeq ($(origin OMP_WAIT_POLICY)$(origin GOMP_SPINCOUNT),undefinedundefined)
+export OMP_WAIT_POLICY := PASSIVE
+export GOMP_SPINCOUNT := 1000
+endif
 
 .PHONY: venv lab test unit notebooks course kernel browser-test clean prepare-workshop handout reset course-times wheelhouse
 

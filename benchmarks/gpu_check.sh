@@ -24,7 +24,6 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 start=$(date +%s)
 export PYTHONUNBUFFERED=1 MINIMIND_PROFILE="${MINIMIND_PROFILE:-gpu-check}"
-export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"  # CPU threads that wait sleep (notebook 00; recorded below)
 scale=1; [ "$MINIMIND_PROFILE" = smoke ] && scale=4  # smoke: a loaded CI CPU; the caps are a GPU's budget
 total=${GPU_CHECK_SECONDS:-$(( 450 * scale ))}
 bench_total=${BENCH_SECONDS:-$(( 150 * scale ))}
@@ -67,7 +66,7 @@ note() { echo "$*" | tee -a "$work/status.txt"; }
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null
   $py -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'available', torch.cuda.is_available())"
   $py -m minimind_lib info --compact
-  echo "OMP_WAIT_POLICY=$OMP_WAIT_POLICY OMP_NUM_THREADS=${OMP_NUM_THREADS:-unset}"
+  echo "OMP_NUM_THREADS=${OMP_NUM_THREADS:-unset} (how OpenMP threads wait: omp_wait_policy above)"
 } > "$work/device.txt" 2>&1
 cat "$work/device.txt"
 note "gpu_check: profile $MINIMIND_PROFILE, budget ${total}s (benchmarks ${bench_total}s, notebooks: $notebooks)"

@@ -1,5 +1,5 @@
-"""Benchmark: the workshop model's training step under OpenMP's default wait policy, the course's (PASSIVE) and one
-thread, on a quiet machine and beside a competing busy process.
+"""Benchmark: the workshop model's training step as OpenMP waits by default, as the course sets it, fully passive, and
+on one thread, on a quiet machine and beside a competing busy process.
 
 `python -m benchmarks threads --json`. OpenMP reads its settings once, when torch loads, so each setting runs in a
 fresh process (torch imported before minimind_lib, so the library's default cannot creep into the "default" runs).
@@ -18,10 +18,14 @@ import statistics
 import subprocess
 import sys
 
+from minimind_lib import COURSE_OPENMP
+from minimind_lib.device import describe
+
 # One child: `steps` timed optimizer steps of the profile's model and micro-batches (random tokens: the time of a
 # step does not depend on which tokens), after one untimed step; prints its seconds per step and what it ran with.
 CHILD = r"""
 import json, os, sys, time
+given = {name: os.environ.get(name) for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
 import torch  # first: OpenMP reads the environment this process was given, before minimind_lib could change it
 from minimind_lib.model import MiniMindConfig, MiniMindForCausalLM
 from minimind_lib.profiles import get_profile
@@ -45,23 +49,26 @@ for step in range(steps + 1):
     optimizer_step(optimizer, params, 1.0)
     times.append(time.perf_counter() - start)
 print(json.dumps({"s_per_step": sorted(times[1:])[len(times[1:]) // 2], "threads": torch.get_num_threads(),
-                  "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}))
+                  **given}))
 """
 
 BUSY = "while True:\n    pass\n"  # one process that always wants a core, like a busy browser tab or a test run
 
 
+SETTINGS = {  # name: (variables, torch threads; 0: torch's default, one per core)
+    "default": ({}, 0),  # nothing set: GNU OpenMP spins about 3 ms at a barrier before it sleeps
+    "course": (COURSE_OPENMP, 0),  # what minimind_lib sets
+    "passive": ({"OMP_WAIT_POLICY": "PASSIVE"}, 0),  # sleep at once
+    "one_thread": ({"OMP_NUM_THREADS": "1"}, 1),
+}
+
+
 def setting_env(name: str) -> tuple[dict, int]:
-    """The environment and torch thread count of a setting: 'default' (torch's own), 'course', 'one_thread'."""
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS",
-                                                            "GOMP_SPINCOUNT")}
-    if name == "course":
-        env["OMP_WAIT_POLICY"] = "PASSIVE"
-        return env, 0
-    if name == "one_thread":
-        env["OMP_NUM_THREADS"] = "1"
-        return env, 1
-    return env, 0
+    """The environment and torch thread count of a setting of SETTINGS."""
+    variables, threads = SETTINGS[name]
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS", "GOMP_SPINCOUNT")}
+    return {**env, **variables}, threads
 
 
 def run_child(setting: str, profile: str, steps: int, loaded: bool) -> dict:
@@ -99,21 +106,25 @@ def main(argv: list[str]) -> dict:
     conditions = [c for c in args.conditions.split(",") if c]
     if not conditions or set(conditions) - {"quiet", "loaded"}:
         raise SystemExit(f"error: --conditions {args.conditions!r}: use quiet, loaded or quiet,loaded")
-    settings = ("default", "course", "one_thread")
+    settings = tuple(SETTINGS)
     runs = {(c, s): [] for c in conditions for s in settings}
+    load = os.getloadavg()  # 1, 5 and 15 minutes: a quiet machine reads below 1 before the first child
     facts = {}
     for _ in range(args.repeats):
         for condition in conditions:
             for setting in settings:
                 child = run_child(setting, args.profile, args.steps, condition == "loaded")
                 runs[condition, setting].append(child["s_per_step"])
-                facts[setting] = {"threads": child["threads"], "omp_wait_policy": child["omp_wait_policy"]}
+                facts[setting] = {k: v for k, v in child.items() if k != "s_per_step"}
     result = {"profile": args.profile, "steps": args.steps, "repeats": args.repeats, "cpu_count": os.cpu_count(),
+              "device": describe(), "load_average_at_start": load, "load_average_at_end": os.getloadavg(),
               "settings": facts}
     for (condition, setting), times in runs.items():
         result[f"s_per_step_{condition}_{setting}"] = spread(times)
     for condition in conditions:
-        for a, b in (("default", "course"), ("course", "one_thread"), ("default", "one_thread")):
-            ratios = [x / y for x, y in zip(runs[condition, a], runs[condition, b])]
-            result[f"ratio_{condition}_{a}_vs_{b}"] = spread(ratios)
+        for a in ("default", "passive", "one_thread"):
+            ratios = [x / y for x, y in zip(runs[condition, a], runs[condition, "course"])]
+            result[f"ratio_{condition}_{a}_vs_course"] = spread(ratios)  # > 1: the course's is faster
+        medians = {s: statistics.median(runs[condition, s]) for s in settings}
+        result[f"fastest_{condition}"] = min(medians, key=medians.get)
     return result

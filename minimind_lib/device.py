@@ -101,8 +101,10 @@ def device_report(device: torch.device | None = None, profile: Any = None) -> di
 
 
 def wait_policy() -> str:
-    """OpenMP's wait policy as torch loaded it, and who set it (minimind_lib sets PASSIVE: notebook 00)."""
-    return f"{os.environ.get('OMP_WAIT_POLICY')} (from {WAIT_POLICY_SOURCE})"
+    """How OpenMP threads wait, as torch loaded it, and who set it (notebook 00)."""
+    names = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+    values = " ".join(f"{name}={os.environ.get(name, 'unset')}" for name in names)
+    return f"{values} (from {WAIT_POLICY_SOURCE})"
 
 
 def describe(profile: Any = None, device: torch.device | None = None) -> str:

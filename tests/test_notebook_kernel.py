@@ -82,13 +82,13 @@ def test_notebook_00_names_the_library_it_imported(tmp_path, monkeypatch, capsys
 
 
 def _kernel_environment(kernel_name: str, env: dict) -> str:
-    """OMP_WAIT_POLICY as a kernel named `kernel_name` sees it, started with `env`."""
+    """OMP_WAIT_POLICY and GOMP_SPINCOUNT as a kernel named `kernel_name` sees them, started with `env`."""
     from jupyter_client.manager import start_new_kernel
 
     km, kc = start_new_kernel(kernel_name=kernel_name, env=env)
     seen = []
     try:
-        kc.execute_interactive("import os; print(os.environ.get('OMP_WAIT_POLICY'))", timeout=120,
+        kc.execute_interactive("import os; print(os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'))", timeout=120,
                                output_hook=lambda msg: seen.append(msg["content"].get("text", "")))
     finally:
         kc.stop_channels()
@@ -100,8 +100,7 @@ def _kernel_environment(kernel_name: str, env: dict) -> str:
 def test_the_minimind_kernel_sets_the_wait_policy_before_torch_and_yours_wins(tmp_path, monkeypatch):
     """`make kernel` registers a kernel that imports minimind_lib first: PASSIVE unless the environment says else."""
     monkeypatch.setenv("JUPYTER_DATA_DIR", str(tmp_path))  # a private registry: the user's own kernels stay as they are
-    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     subprocess.run(["make", "-s", "-C", str(REPO), "kernel"], check=True, capture_output=True)
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    assert _kernel_environment(KERNEL_NAME, env) == "PASSIVE"
-    assert _kernel_environment(KERNEL_NAME, {**env, "OMP_WAIT_POLICY": "ACTIVE"}) == "ACTIVE"
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    assert _kernel_environment(KERNEL_NAME, env) == "PASSIVE 1000"
+    assert _kernel_environment(KERNEL_NAME, {**env, "OMP_WAIT_POLICY": "ACTIVE"}) == "ACTIVE None"
