@@ -17,6 +17,7 @@ import io
 import json
 import math
 import os
+import secrets
 import time
 from dataclasses import dataclass, field, fields, replace
 from functools import partial
@@ -29,13 +30,14 @@ import torch
 from . import distributed as D
 from .batching import AdaptiveBatchController, TokenBudgetBatchSampler, TokenBudgetSteps
 from .checkpoint import (METRICS_FILE, MODEL_FILE, RUN_FORMAT, RUN_VERSION, SAMPLES_FILE, STATE_FILE, SUMMARY_FILE,
-                         RunError, check_out_dir, check_resume, check_target, load_run, save_checkpoint, start_run_dir,
-                         stop_on_signals)
+                         RunError, check_out_dir, check_resume, check_target, load_run,
+                         read_run_config, save_checkpoint, start_run_dir, stop_on_signals)
 from .corpus import check_choice, tokenizer_fingerprint
 from .data import LONG_DOCS_BY_KIND, holdout_split, memmap_dataset, pad_collate
 from .device import get_device, total_memory_bytes
 from .fileio import atomic_write_text, exclusive_dir, file_fingerprint
 from .generate import chat_reply, generate
+from .loggers import check_loggers, flatten, open_loggers, send
 from .memory import MemoryMeter
 from .model import MiniMindConfig, MiniMindForCausalLM
 from .paths import DATA_DIR, REPO_DIR, find_data_file
@@ -81,6 +83,8 @@ class RunSettings:
     seed: int = 1337
     progress: bool = True
     log: Callable[[str], None] = print
+    loggers: Sequence[str] = ()  # "tensorboard", "wandb": where the metrics also go (loggers.py)
+    report: Callable[[Path], dict] | None = None  # its last numbers (the CLI's: verdict, ladder)
 
 
 @dataclass
@@ -163,6 +167,7 @@ def train_config(s: RunSettings) -> TrainConfig:
 def _inputs(s: RunSettings, prof: Profile, device: torch.device) -> tuple[Any, MiniMindConfig, str | None, dict | None]:
     """(tokenizer, model config, preset, SFT's initial weights): every input checked before anything is written."""
     check_target(s.out or "", "--out")  # not '' (Path("") is ".") nor the working directory: a run is a folder
+    check_loggers(s.loggers, s.out)
     if device.type in ("cuda", "mps") and not getattr(torch, device.type).is_available():
         raise RunError(f"device {device} is not available on this machine (torch {torch.__version__}); pass "
                        f"--device cpu or leave --device out to use the best one present")
@@ -383,11 +388,14 @@ def _run(s: RunSettings, dinfo: Any = None) -> RunResult:
     s = resolve_settings(s, prof)
     tok, mcfg, preset, init_state = _inputs(s, prof, device)
     out = Path(s.out)
-    with exclusive_dir(out) if main else contextlib.nullcontext():
+    with exclusive_dir(out) if main else contextlib.nullcontext(), contextlib.ExitStack() as stack:
         check_out_dir(out, s.resume, s.overwrite)
         cfg, amp = train_config(s), resolve_amp(s.amp, device, mcfg.hidden_size)
         run_cfg = _run_config(s, prof, preset, mcfg, tok, device, dinfo, amp)
         saved_state = check_resume(out, run_cfg, cfg, dinfo) if s.resume else None
+        run_cfg["run_id"] = secrets.token_hex(4)  # the loggers' run (wandb's id), across resumes
+        if saved_state is not None:
+            run_cfg["run_id"] = read_run_config(out).get("run_id", run_cfg["run_id"])
         ds, val, n_held_out = _datasets(s, tok, dinfo, log)  # 1. data
         steps = train_steps(ds, s, dinfo)  # 2. the optimizer steps
         sampler = steps.base if dinfo is not None else steps.batch_sampler
@@ -403,6 +411,8 @@ def _run(s: RunSettings, dinfo: Any = None) -> RunResult:
         if main:  # a resumed run that never checkpointed starts afresh (same settings, checked above)
             start_run_dir(out, run_cfg, tok, saved_state is not None)
         start_step = int(saved_state["step"]) if saved_state is not None else 0
+        names = s.loggers if main else ()
+        loggers = stack.enter_context(open_loggers(names, out, run_cfg, start_step))
         rec = Recorder(out, s, saved_state, model, tok, write=main)
         log(f"{s.stage}: {s.steps} steps x {s.accum_steps} micro-batches of <= {s.max_tokens} tokens (seq_len "
             f"{s.seq_len}), lr {s.lr:g}, {amp.reason}, device {device}"
@@ -413,17 +423,19 @@ def _run(s: RunSettings, dinfo: Any = None) -> RunResult:
         if saved_state is None and val and main:
             rec.prior = eval_before_training(model, val, device, amp.dtype)
             log(f"{s.stage}: validation loss before training {rec.prior['val_loss'].iloc[0]:.3f}")
+            send(loggers, rec.prior.to_dict("records"))
         resume_from = out / STATE_FILE if saved_state is not None else None
         if dinfo is not None:  # 4. the loop
             df = D.fit_distributed(model, steps, cfg, info=dinfo, val_batches=val, pad_id=tok.pad_token_id,
-                                   callbacks=[rec], resume_from=resume_from)
+                                   callbacks=[rec], resume_from=resume_from, loggers=loggers)
         else:
             with stop_on_signals(rec):
                 df = fit(model, steps, cfg, device=device, val_batches=val, controller=controller, callbacks=[rec],
-                         resume_from=resume_from)
+                         resume_from=resume_from, loggers=loggers)
         if main and val and rec.rows and math.isnan(rec.rows[-1]["val_loss"]):  # fit validates after applied steps
             ev = evaluate(model, val, device=device, amp_dtype=amp.dtype)  # only: final_val_loss is the saved model's
             rec.rows[-1].update(val_loss=ev["loss"], val_ppl=ev["ppl"])
+            send(loggers, [{k: rec.rows[-1][k] for k in ("step", "val_loss", "val_ppl")}])
         metrics, summary = _finish(rec, df, run_cfg, time.perf_counter() - t0, start_step, controller, dinfo)
         if rec.interrupted:
             raise RunError(f"stopped by {rec.interrupted} after step {int(metrics['step'].max()) + 1} of {s.steps}: "
@@ -433,6 +445,8 @@ def _run(s: RunSettings, dinfo: Any = None) -> RunResult:
                            f"--allow-skipped-steps (allow_skipped_steps=True) to accept such a run")
         for problem in summary["shortfalls"] if main else ():
             log(f"{s.stage}: warning: {problem}")
+        if loggers and s.report is not None:  # compare's verdict, eval's ladder: at the last step
+            send(loggers, [{**flatten(s.report(out)), "step": int(metrics["step"].max())}])
         return RunResult(out, model.eval(), tok, metrics, run_cfg, summary, rec.samples)
 
 
