@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+WANDB_STAMP := $(VENV)/.wandb-installed
 # A room without internet: `make wheelhouse` fills wheelhouse/ (every wheel the course needs); when that folder holds
 # wheels, every install below uses only it (no network). WHEELHOUSE=DIR names another folder.
 WHEELHOUSE ?= wheelhouse
@@ -15,7 +16,8 @@ export OMP_WAIT_POLICY := PASSIVE
 export GOMP_SPINCOUNT := 1000
 endif
 
-.PHONY: venv lab test unit notebooks course kernel browser-test clean prepare-workshop handout reset course-times wheelhouse
+.PHONY: venv lab test unit notebooks course kernel browser-test clean prepare-workshop handout reset course-times wheelhouse \
+	tensorboard
 
 venv: $(STAMP)
 
@@ -28,10 +30,15 @@ $(STAMP): requirements.txt pyproject.toml
 	$(PY) -m pip install --quiet $(PIP_FROM) --no-deps -e .
 	touch $(STAMP)
 
+# --log wandb's package, for the tests that read its offline runs back (the course itself does not need it).
+$(WANDB_STAMP): requirements-wandb.txt $(STAMP)
+	$(PY) -m pip install --quiet $(PIP_FROM) -r requirements-wandb.txt
+	touch $(WANDB_STAMP)
+
 # Every wheel `make venv` installs, for this machine's platform and Python (or PLATFORM=manylinux_2_28_x86_64
 # PYVER=3.11 for another room's), into $(WHEELHOUSE)/: copy the checkout with it to a room without internet.
 wheelhouse:
-	$(PYTHON) -m pip download --quiet --dest $(WHEELHOUSE) -r requirements.txt pip setuptools wheel \
+	$(PYTHON) -m pip download --quiet --dest $(WHEELHOUSE) -r requirements.txt -r requirements-wandb.txt pip setuptools wheel \
 		$(if $(PLATFORM),--platform $(PLATFORM) --python-version $(PYVER) --only-binary=:all:)
 	@echo "$(WHEELHOUSE)/: $$(ls $(WHEELHOUSE) | wc -l) files, $$(du -sh $(WHEELHOUSE) | cut -f1); make lab / make test now install from it alone"
 
@@ -48,7 +55,7 @@ lab: kernel
 # CI and a quick local check: unit tests, then every notebook with nbval in the smoke profile.
 test: unit notebooks
 
-unit: venv
+unit: venv $(WANDB_STAMP)
 	MINIMIND_PROFILE=smoke $(PY) -m pytest tests/ -q
 
 notebooks: venv
@@ -93,6 +100,14 @@ reset:
 	rm -rf runs data/cache build
 	git checkout -- notebooks/
 	@echo "reset: runs/, data/cache/ and build/ removed; notebooks/ restored to the committed version"
+
+# TensorBoard on RUN: a run directory trained with --log tensorboard, or a folder of many (a room's runs in one
+# view, each named by its path); http://localhost:6006 (PORT=... for another port, HOST=0.0.0.0 to serve a room).
+tensorboard: venv
+	@test -n "$(RUN)" || { echo "usage: make tensorboard RUN=runs/cpu/pretrain (a run directory or a folder of runs)" >&2; exit 2; }
+	@test -d "$(RUN)" || { echo "error: RUN=$(RUN) is not a directory" >&2; exit 2; }
+	@find "$(RUN)" -name 'events.out.tfevents.*' | grep -q . || { echo "error: RUN=$(RUN) holds no TensorBoard event files: train with --log tensorboard (notebook 07 writes them too)" >&2; exit 2; }
+	$(VENV)/bin/tensorboard --logdir "$(RUN)" --port $(or $(PORT),6006) $(if $(HOST),--host $(HOST))
 
 clean:
 	rm -rf build .pytest_cache

@@ -248,6 +248,7 @@ STATE_FILE, SAMPLES_FILE, SUMMARY_FILE = "last.pt", "samples.jsonl", "summary.js
 LORA_FILE = "lora.pth"  # a LoRA run's adapters, in MiniMind's keys (notebook 10: lora.lora_state)
 RUN_FILES = (CONFIG_FILE, MODEL_FILE, METRICS_FILE, STATE_FILE, SAMPLES_FILE, SUMMARY_FILE,
              LORA_FILE)
+LOG_DIRS = ("tensorboard", "wandb")  # what --log writes into a run directory (loggers.py)
 # config.json's settings that fix the order and shape of the data: resuming with another value would train on
 # other batches than the saved position refers to, so it is an error.
 RESUME_KEYS = ("stage", "model", "data", "val_data", "seq_len", "max_tokens", "val_batches", "max_samples", "batching",
@@ -400,6 +401,8 @@ def start_run_dir(out: Path, run_cfg: dict, tok: Any, resume: bool, keep: Iterab
     if not resume:  # --overwrite: a stale last.pt or metrics.csv must not survive into the new run
         for name in set(RUN_FILES) - set(keep):
             (out / name).unlink(missing_ok=True)
+        for folder in [out / name for name in LOG_DIRS if (out / name).is_dir()]:
+            shutil.rmtree(folder)  # nor the curves --log wrote for it
     atomic_write_text(out / CONFIG_FILE, json.dumps(run_cfg, indent=2, ensure_ascii=False, default=str) + "\n")
     tmp = out / f"{TMP_PREFIX}{TOKENIZER_DIR}.{os.getpid()}"
     tok.save(tmp)

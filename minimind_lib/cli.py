@@ -16,14 +16,16 @@ import math
 import os
 import sys
 from dataclasses import fields
+from pathlib import Path
 
 import torch
 
-from .checkpoint import load_run
+from .checkpoint import RunError, load_run
 from .device import device_report
 from .evaluate import compare_run, describe_ladder, evaluate_model
 from .export import DTYPES, export_run, import_hf
 from .generate import chat
+from .loggers import LOGGERS
 from .model import PRESETS
 from .pipeline import RunSettings, dpo, lora, pretrain, sft
 from .profiles import get_profile
@@ -100,14 +102,37 @@ def _add_train_args(p: argparse.ArgumentParser, stage: str) -> None:
     p.add_argument("--allow-skipped-steps", action="store_true", help="exit 0 despite skipped steps (still reported)")
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    add_log_option(p)
     p.set_defaults(func=cmd_train)
+
+
+def add_log_option(p: argparse.ArgumentParser) -> None:
+    """--log tensorboard|wandb, repeatable: where a training command's metrics go too."""
+    p.add_argument("--log", dest="loggers", action="append", default=[], choices=list(LOGGERS),
+                   help="also send the metrics to TensorBoard (OUT/tensorboard/: make "
+                   "tensorboard RUN=OUT) or Weights & Biases (offline unless WANDB_MODE says "
+                   "otherwise: OUT/wandb/); repeat for both; at the end, compare's verdict and "
+                   "eval's ladder too")
+
+
+def run_report(out: Path) -> dict:
+    """A logged run's last numbers: compare's verdict and eval's ladder (or why there is none)."""
+    report = {}
+    for name, measure in (("band", compare_run), ("ladder", evaluate_model)):
+        try:
+            report[name] = measure(out)
+        except (RunError, FileNotFoundError) as e:  # no band for these settings, too few documents
+            report[name] = {"error": str(e)}
+    keep = ("verdict", "summary", "error")
+    report["band"] = {k: v for k, v in report["band"].items() if k in keep}
+    return report
 
 
 def _train_kwargs(args: argparse.Namespace) -> dict:
     """pretrain/sft's keyword arguments: the options named as RunSettings' fields, the progress bars, the log."""
     known = {f.name for f in fields(RunSettings)}
     return {**{k: v for k, v in vars(args).items() if k in known}, "progress": not args.no_progress,
-            "log": lambda msg: print(msg, file=sys.stderr, flush=True)}
+            "log": lambda msg: print(msg, file=sys.stderr, flush=True), "report": run_report}
 
 
 def cmd_info(args: argparse.Namespace) -> int:

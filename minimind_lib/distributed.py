@@ -189,7 +189,9 @@ class DDPController:
 
 def fit_distributed(model: nn.Module, step_source: Any, cfg: Any, *, info: DistInfo | None = None, pad_id: int = 0,
                     val_batches: Any = None, resume_from: Any = None, callbacks: Sequence[Callable] | None = None,
-                    grad_callback: Callable | None = None, comm_hook: tuple[Any, Callable] | None = None) -> Any:
+                    grad_callback: Callable | None = None,
+                    comm_hook: tuple[Any, Callable] | None = None,
+                    loggers: Sequence[Any] = ()) -> Any:
     """train.fit under DDP on this rank's steps (distributed_step_source); rank 0 alone logs, validates and writes;
     every rank returns the same global losses. comm_hook=(state, hook) replaces DDP's all-reduce (to count it)."""
     info = info or setup()
@@ -200,7 +202,8 @@ def fit_distributed(model: nn.Module, step_source: Any, cfg: Any, *, info: DistI
     controller.meter = MemoryMeter(info.device) if info.device.type == "cuda" else None  # fit's peak memory column
     run_cfg = cfg if info.is_main else dataclasses.replace(cfg, progress=False)
     df = fit(model, step_source, run_cfg, device=info.device, val_batches=val_batches if info.is_main else None,
-             controller=controller, callbacks=callbacks, resume_from=resume_from, is_main_process=info.is_main)
+             controller=controller, callbacks=callbacks, resume_from=resume_from,
+             is_main_process=info.is_main, loggers=loggers if info.is_main else ())
     df.attrs.update({"world_size": info.world_size, "backend": info.backend or "none", "rank": info.rank})
     return df
 

@@ -123,6 +123,11 @@ class MemoryMeter:
         """Highest current() since the last reset_peak()."""
         return torch.cuda.max_memory_allocated(self.device) if self.is_cuda else self._peak
 
+    def peak_reserved(self) -> int:
+        """Peak reserved bytes since reset_peak() (CUDA: allocated + the allocator's cache; MPS: the
+        driver's allocation; CPU: peak()), the second memory curve of a run's metrics."""
+        return torch.cuda.max_memory_reserved(self.device) if self.is_cuda else self.peak_in_use()
+
     def peak_in_use(self) -> int:
         """The peak an OOM depends on, since reset_peak() (the controller's checks). CUDA: the allocator's peak
         reserved bytes (its cache, fragmented by batches whose shape changes every step) plus what else holds the card

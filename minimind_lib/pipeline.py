@@ -10,9 +10,7 @@ Under `torchrun --nproc_per_node=N -m minimind_lib pretrain|sft ...` the same ru
 Every input is validated before OUT is written.
 
 Steps 1-3 live in rundata.py. Notebook 10_lora_dpo's runs take the same steps: `lora` (SFT through
-LoRA adapters: lora.pth in MiniMind's keys; with merge=True model.pth too) and `dpo` (preference
-pairs against a frozen copy of the model it starts from, the objective dpo.DPO; through LoRA too; it
-ends with a plain model.pth).
+LoRA adapters, saved apart as lora.pth) and `dpo` (preference pairs against a frozen reference).
 """
 
 from __future__ import annotations
@@ -22,6 +20,7 @@ import io
 import json
 import math
 import os
+import secrets
 import time
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -33,14 +32,16 @@ import torch
 from . import distributed as D
 from .checkpoint import (LORA_FILE, METRICS_FILE, MODEL_FILE, RUN_FORMAT, RUN_VERSION, SAMPLES_FILE,
                          STATE_FILE, SUMMARY_FILE, RunError, check_out_dir, check_resume,
-                         check_target, load_run, save_checkpoint, start_run_dir, stop_on_signals)
+                         check_target, load_run, read_run_config, save_checkpoint, start_run_dir,
+                         stop_on_signals)
 from .checks import require
 from .corpus import tokenizer_fingerprint
 from .data import LONG_DOCS_BY_KIND, holdout_split, memmap_dataset  # noqa: F401 (notebook 08's)
-from .dpo import DPO
 from .device import get_device
+from .dpo import DPO
 from .fileio import atomic_write_text, exclusive_dir, file_fingerprint
 from .generate import chat_reply, generate
+from .loggers import check_loggers, flatten, open_loggers, send
 from .lora import apply_lora, lora_layers, lora_state, merge_lora
 from .model import MiniMindConfig, MiniMindForCausalLM
 from .paths import DATA_DIR, REPO_DIR, find_data_file
@@ -91,6 +92,8 @@ class RunSettings:
     beta: float = 0.1  # dpo: the loss's beta (MiniMind's dpo_loss default)
     progress: bool = True
     log: Callable[[str], None] = print
+    loggers: Sequence[str] = ()  # "tensorboard", "wandb": where the metrics also go (loggers.py)
+    report: Callable[[Path], dict] | None = None  # its last numbers (the CLI's: verdict, ladder)
 
 
 @dataclass
@@ -176,6 +179,7 @@ def train_config(s: RunSettings) -> TrainConfig:
 def _inputs(s: RunSettings, prof: Profile, device: torch.device) -> tuple[Any, MiniMindConfig, str | None, dict | None]:
     """(tokenizer, model config, preset, SFT's initial weights): every input checked before anything is written."""
     check_target(s.out or "", "--out")  # not '' (Path("") is ".") nor the working directory: a run is a folder
+    check_loggers(s.loggers, s.out)
     if device.type in ("cuda", "mps") and not getattr(torch, device.type).is_available():
         raise RunError(f"device {device} is not available on this machine (torch {torch.__version__}); pass "
                        f"--device cpu or leave --device out to use the best one present")
@@ -200,7 +204,9 @@ def _inputs(s: RunSettings, prof: Profile, device: torch.device) -> tuple[Any, M
 
 def _run_config(s: RunSettings, prof: Profile, preset: str | None, mcfg: MiniMindConfig, tok: Any,
                 device: torch.device, dinfo: Any, amp: Any) -> dict:
-    """What config.json says the run is (amp: resolve_amp's choice)."""
+    """What config.json says the run is (amp: resolve_amp's choice; lora targets None: MiniMind's
+    layers)."""
+    lora = {"rank": s.lora_rank, "alpha": s.lora_alpha or s.lora_rank, "targets": None}
     return {"format": RUN_FORMAT, "version": RUN_VERSION, "stage": s.stage, "profile": prof.name,
             "model_preset": preset, "model": mcfg.to_dict(), "train": train_config(s).to_dict(),
             "tokenizer": {"fingerprint": tokenizer_fingerprint(tok), "vocab_size": int(tok.vocab_size)},
@@ -211,7 +217,8 @@ def _run_config(s: RunSettings, prof: Profile, preset: str | None, mcfg: MiniMin
             "max_samples": s.max_samples, "batching": "token_budget",
             "long_docs": LONG_DOCS_BY_KIND[KIND[s.stage]],
             "init": str(Path(s.init).resolve()) if s.init else None, "device": str(device),
-            **_stage_config(s),
+            "lora": lora if s.lora_rank else None,
+            "dpo": {"beta": s.beta} if s.stage == "dpo" else None,
             "amp": {"mode": s.amp, "resolved": amp.name, "reason": amp.reason}, "torch": torch.__version__,
             **({"world_size": dinfo.world_size} if dinfo is not None else {})}
 
@@ -340,14 +347,6 @@ def _finish(rec: Recorder, df: pd.DataFrame, run_cfg: dict, wall: float, start_s
     return full, summary
 
 
-def _stage_config(s: RunSettings) -> dict:
-    """config.json's "lora" (rank, alpha; targets None: MiniMind's layers, the square ones) and
-    "dpo" (beta), each None when the run has none."""
-    lora = {"rank": s.lora_rank, "alpha": s.lora_alpha or s.lora_rank, "targets": None}
-    dpo = {"beta": s.beta, "counts": "pairs (its tokens columns)"}
-    return {"lora": lora if s.lora_rank else None, "dpo": dpo if s.stage == "dpo" else None}
-
-
 def _model(s: RunSettings, mcfg: MiniMindConfig, init_state: dict | None,
            device: torch.device) -> tuple[Any, Any]:
     """(the model to train, from init's weights, with LoRA adapters when lora_rank; its objective: a
@@ -374,11 +373,14 @@ def _run(s: RunSettings, dinfo: Any = None) -> RunResult:
     s = resolve_settings(s, prof)
     tok, mcfg, preset, init_state = _inputs(s, prof, device)
     out = Path(s.out)
-    with exclusive_dir(out) if main else contextlib.nullcontext():
+    with exclusive_dir(out) if main else contextlib.nullcontext(), contextlib.ExitStack() as stack:
         check_out_dir(out, s.resume, s.overwrite)
         cfg, amp = train_config(s), resolve_amp(s.amp, device, mcfg.hidden_size)
         run_cfg = _run_config(s, prof, preset, mcfg, tok, device, dinfo, amp)
         saved_state = check_resume(out, run_cfg, cfg, dinfo) if s.resume else None
+        run_cfg["run_id"] = secrets.token_hex(4)  # the loggers' run (wandb's id), across resumes
+        if saved_state is not None:
+            run_cfg["run_id"] = read_run_config(out).get("run_id", run_cfg["run_id"])
         ds, val, n_held_out = datasets(s, tok, dinfo, log)  # 1. data
         steps = train_steps(ds, s, dinfo)  # 2. the optimizer steps
         sampler = steps.base if dinfo is not None else steps.batch_sampler
@@ -392,6 +394,8 @@ def _run(s: RunSettings, dinfo: Any = None) -> RunResult:
         if main:  # a resumed run that never checkpointed starts afresh (same settings, checked above)
             start_run_dir(out, run_cfg, tok, saved_state is not None)
         start_step = int(saved_state["step"]) if saved_state is not None else 0
+        names = s.loggers if main else ()
+        loggers = stack.enter_context(open_loggers(names, out, run_cfg, start_step))
         rec = Recorder(out, s, saved_state, model, tok, write=main)
         log(f"{s.stage}: {s.steps} steps x {s.accum_steps} micro-batches of <= {s.max_tokens} tokens (seq_len "
             f"{s.seq_len}), lr {s.lr:g}, {amp.reason}, device {device}"
@@ -402,18 +406,20 @@ def _run(s: RunSettings, dinfo: Any = None) -> RunResult:
         if saved_state is None and val and main:
             rec.prior = eval_before_training(model, val, device, amp.dtype, objective)
             log(f"{s.stage}: validation loss before training {rec.prior['val_loss'].iloc[0]:.3f}")
+            send(loggers, rec.prior.to_dict("records"))
         resume_from = out / STATE_FILE if saved_state is not None else None
         if dinfo is not None:  # 4. the loop
             df = D.fit_distributed(model, steps, cfg, info=dinfo, val_batches=val, pad_id=tok.pad_token_id,
-                                   callbacks=[rec], resume_from=resume_from)
+                                   callbacks=[rec], resume_from=resume_from, loggers=loggers)
         else:
             with stop_on_signals(rec):
                 df = fit(model, steps, cfg, device=device, val_batches=val, controller=controller, callbacks=[rec],
-                         resume_from=resume_from, objective=objective)
+                         resume_from=resume_from, loggers=loggers, objective=objective)
         if main and val and rec.rows and math.isnan(rec.rows[-1]["val_loss"]):  # fit validates after applied steps
             ev = evaluate(model, val, device=device, amp_dtype=amp.dtype,  # only: final_val_loss
                           objective=objective)  # is the saved model's
             rec.rows[-1].update(val_loss=ev["loss"], val_ppl=ev["ppl"])
+            send(loggers, [{k: rec.rows[-1][k] for k in ("step", "val_loss", "val_ppl")}])
         if main and lora_layers(model):  # the adapters apart, in MiniMind's keys
             save_checkpoint(lora_state(model), out / LORA_FILE)
         if s.merge or s.stage == "dpo":
@@ -427,6 +433,8 @@ def _run(s: RunSettings, dinfo: Any = None) -> RunResult:
                            f"--allow-skipped-steps (allow_skipped_steps=True) to accept such a run")
         for problem in summary["shortfalls"] if main else ():
             log(f"{s.stage}: warning: {problem}")
+        if loggers and s.report is not None:  # compare's verdict, eval's ladder: at the last step
+            send(loggers, [{**flatten(s.report(out)), "step": int(metrics["step"].max())}])
         return RunResult(out, model.eval(), tok, metrics, run_cfg, summary, rec.samples)
 
 
@@ -472,10 +480,9 @@ def sft(data: str | Path | None = None, out: str | Path | None = None, *, init: 
 
 def lora(data: str | Path | None = None, out: str | Path | None = None, *,
          init: str | Path | None = None, **kwargs: Any) -> RunResult:
-    """SFT through LoRA adapters (notebook 10): `sft`'s run with every weight of `init` frozen and
-    adapters of rank lora_rank (default 8; MiniMind's layers, the square Linears) trained.
-    OUT/lora.pth holds them in MiniMind's keys; with merge=True OUT/model.pth the model with them
-    folded in (else `chat`, `eval` and `export` fold them in)."""
+    """SFT through LoRA adapters (notebook 10): `sft`'s run with `init`'s weights frozen and
+    adapters of rank lora_rank (default 8) beside MiniMind's layers; OUT/lora.pth holds them in
+    MiniMind's keys, OUT/model.pth with merge=True the model with them folded in."""
     kwargs = {"sample_prompts": (), **kwargs}
     return _run_maybe_distributed("lora", dict(kwargs, data=data, out=out, init=init))
 
@@ -483,8 +490,7 @@ def lora(data: str | Path | None = None, out: str | Path | None = None, *,
 def dpo(data: str | Path | None = None, out: str | Path | None = None, *,
         init: str | Path | None = None, **kwargs: Any) -> RunResult:
     """DPO (notebook 10) on MiniMind's {"chosen", "rejected"} pairs (default data/dpo.jsonl) from
-    the run `init`, which is also the frozen reference; beta (default 0.1); lora_rank: adapters
-    alone, folded in at the end. 5% of the pairs are held out: the validation loss is their mean
-    DPO loss (ln 2 before training). A DPO run's `tokens` count pairs."""
+    the run `init`, also the frozen reference; beta (default 0.1); lora_rank: adapters alone, folded
+    in at the end. 5% of the pairs held out give the validation loss (ln 2 before training)."""
     kwargs = {"sample_prompts": (), **kwargs}
     return _run_maybe_distributed("dpo", dict(kwargs, data=data, out=out, init=init))

@@ -26,6 +26,7 @@ from .batching import document_mask
 from .checkpoint import (DataStream, load_training_state, nonfinite_parameters, save_training_state, seed_everything,
                          set_rng_state)
 from .data import trained_tokens
+from .loggers import SendRows
 from .memory import MemoryMeter
 from .model import is_right_padded, lm_loss
 from .config import AMP_MODES, NORMALIZATIONS, TrainConfig  # noqa: F401 (train.TrainConfig too)
@@ -347,6 +348,7 @@ class _Run:
         row = {"step": self.step, "loss": math.nan, "lr": lr, "grad_norm": grad_norm, "tokens": stats["n_tokens"],
                "applied": False, "tokens_per_s": math.nan,
                "peak_memory_bytes": math.nan if self.meter is None else float(self.meter.peak()),
+               "peak_reserved_bytes": float(getattr(self.meter, "peak_reserved", lambda: math.nan)()),
                "step_time": math.nan, "skipped": True, "val_loss": math.nan, "val_ppl": math.nan, "scale": scale,
                "events": [str(e) for e in stats.pop("events", [])]}
         row.update({key: value for key, value in stats.items()  # controller extras: micro_batch_size, seq_len, ...
@@ -427,14 +429,16 @@ def fit(model: nn.Module, train_batches_or_loader: Iterable, cfg: TrainConfig, *
         val_batches: Iterable[dict] | None = None, controller: Any = None, meter: Any = None,
         callbacks: Sequence[Callable[[int, dict], Any]] | None = None,
         resume_from: str | Path | None = None, is_main_process: bool = True,
-        objective: Any = None) -> pd.DataFrame:
+        loggers: Sequence[Any] = (), objective: Any = None) -> pd.DataFrame:
     """Train `model` for cfg.max_steps optimizer steps: a DataFrame, one metrics row per step (attrs: run counters).
     The data yields cfg.accum_steps collated micro-batches per step, or, with a controller, each step's samples for
     `controller.run_step(item, accumulate_fn[, zero_grad=model])` to split. cb(step, row) for each step at the next
-    log point, before its checkpoint (cb.checkpoint_extra() goes into it; then cb.after_checkpoint()); "stop" ends."""
+    log point, before its checkpoint (cb.checkpoint_extra() goes into it; then cb.after_checkpoint()); "stop" ends.
+    loggers (loggers.py: TensorBoard, wandb) get each row after the callbacks, at its checkpoint."""
     # objective: what a step minimizes and validation reports (default NextToken(); 10: dpo.DPO)
     run = _Run(model, train_batches_or_loader, cfg, torch.device(device), controller, meter, is_main_process,
-               callbacks or (), objective)
+               [*(callbacks or ()), SendRows(loggers, buffered=cfg.ckpt_dir is not None)],
+               objective)
     if resume_from is not None:
         run.restore(Path(resume_from), resume=True)
     else:

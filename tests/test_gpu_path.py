@@ -73,6 +73,19 @@ def test_controller_reads_reserved_and_driver_memory_on_cuda(monkeypatch):
     assert ctl.max_tokens == 8 * 16
 
 
+def test_each_metrics_row_holds_the_peak_allocated_and_reserved_on_cuda(monkeypatch):
+    # the two memory curves --log sends: allocated (what tensors hold) and reserved (plus the allocator's cache);
+    # the fake CUDA counters stand behind the run's meter while the model trains on the CPU
+    cuda = FakeCudaMemory(monkeypatch)
+    meter = memory.MemoryMeter("cuda")
+    run = train._Run(tiny_model(), batches(2), cfg(accum_steps=1), torch.device("cpu"), None, meter, True)
+    cuda.step(allocated=6, reserved=9)
+    row = run.train_step()
+    assert (meter.peak(), meter.peak_reserved()) == (6 * GiB, 9 * GiB)
+    assert (row["peak_memory_bytes"], row["peak_reserved_bytes"]) == (6 * GiB, 9 * GiB)
+    assert memory.MemoryMeter("cpu").peak_reserved() == 0  # a CPU: peak(), no cache to add
+
+
 def test_peak_in_use_reads_the_mps_driver(monkeypatch):
     monkeypatch.setattr(torch.mps, "driver_allocated_memory", lambda: 7 * GiB)
     monkeypatch.setattr(torch.mps, "recommended_max_memory", lambda: 10 * GiB)

@@ -469,7 +469,7 @@ def test_a_room_without_internet_installs_from_the_wheelhouse(tmp_path: Path):
     in a network namespace with no network and with no pip configuration (no index, no other wheel folder)."""
     course = tmp_path / "course"
     course.mkdir()
-    for name in ("Makefile", "requirements.txt", "pyproject.toml", "README.md"):
+    for name in ("Makefile", "requirements.txt", "requirements-wandb.txt", "pyproject.toml", "README.md"):
         shutil.copy2(REPO / name, course / name)
     shutil.copytree(REPO / "minimind_lib", course / "minimind_lib", ignore=shutil.ignore_patterns("__pycache__"))
     download = subprocess.run(["make", "-s", "-C", str(course), "wheelhouse"], capture_output=True, text=True)
@@ -480,6 +480,9 @@ def test_a_room_without_internet_installs_from_the_wheelhouse(tmp_path: Path):
                              capture_output=True, text=True)
     assert install.returncode == 0, install.stdout[-2000:] + install.stderr[-3000:]
     assert "installing from wheelhouse/ only (no network)" in install.stdout
+    extra = subprocess.run(["unshare", "-n", "make", "-s", "-C", str(course), ".venv/.wandb-installed"],
+                           env=offline_env, capture_output=True, text=True)  # what `make unit` adds: --log wandb
+    assert extra.returncode == 0, extra.stdout[-2000:] + extra.stderr[-3000:]
     python = str(course / ".venv" / "bin" / "python")
     check = subprocess.run(["unshare", "-n", python, "-m", "pip", "check"], env=offline_env, capture_output=True,
                            text=True)
