@@ -188,8 +188,9 @@ def _inputs(s: RunSettings, prof: Profile, device: torch.device) -> tuple[Any, M
             raise FileNotFoundError(f"{what} file not found: {path}"
                                     + (" (a directory, not a jsonl file)" if Path(path).is_dir() else ""))
     if s.stage != "pretrain":
-        require(s.init is not None, f"{s.stage} needs the run directory to start from (sft: --init "
-                                    f"DIR; lora, dpo: --from DIR)", RunError)
+        flag = "--init" if s.stage == "sft" else "--from"
+        require(s.init is not None, f"{s.stage} needs {flag} DIR, the run directory to start from",
+                RunError)
         init_model, tok, init_cfg = load_run(s.init)  # refuses NaN/inf or integer weights
         mcfg, preset, init_state = init_model.config, init_cfg.get("model_preset"), init_model.state_dict()
     else:
