@@ -143,10 +143,11 @@ def judge(df: pd.DataFrame, cfg: dict) -> dict:
     covers = (f"the {band['profile']} band for {cfg['stage']} ({len(seeds)} seeds of the profile's "
               f"run on {mb['device']}, {mb['cpu']}, {mb['threads']} threads, {ref['dtype']}, torch "
               f"{mb['torch']}, {mb['date']})")
-    at = (f"validation loss {last['val_loss']:.3f} at {int(last['tokens_seen']):,} tokens, the band allows "
+    unit = "pairs" if cfg["stage"] == "dpo" else "tokens"  # a DPO run counts pairs (notebook 10)
+    at = (f"validation loss {last['val_loss']:.3f} at {int(last['tokens_seen']):,} {unit}, the band allows "
           f"{last['lower']:.3f} to {last['upper']:.3f} (seeds' median {last['median']:.3f})")
     verdict = "diverged" if any(f["diverged"] for f in findings) else {0: "inside", 1: "above", -1: "below"}[side[-1]]
-    since = f" from {int(val['tokens_seen'].iloc[start]):,} tokens on" if verdict in ("above", "below") else ""
+    since = f" from {int(val['tokens_seen'].iloc[start]):,} {unit} on" if verdict in ("above", "below") else ""
     summary = ("diverged: " + "; ".join(f"{f['cause']} ({f['evidence']})" for f in findings if f["diverged"])
                if verdict == "diverged" else f"{verdict} {covers}{since}: {at}"
                + ("; better than every reference seed (more steps or another lr?)" if verdict == "below" else ""))

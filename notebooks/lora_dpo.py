@@ -225,8 +225,9 @@ def mean_interval(values: list[float]) -> dict:
 
 
 # ----------------------------------------------------------------------------------- figures
-def plot_beta(betas: tuple[float, ...] = (0.05, 0.1, 0.5)) -> Any:
-    """The DPO loss of one pair, and the weight its gradient carries, against the log-ratio margin, per beta."""
+def plot_beta(title: str, betas: tuple[float, ...] = (0.05, 0.1, 0.5)) -> Any:
+    """The DPO loss of one pair, and the weight its gradient carries, against the log-ratio margin, per beta
+    (computed from the formula, not from a run)."""
     margin = torch.linspace(-20, 40, 400)
     fig, ax = plt.subplots(1, 2, figsize=(11, 3.6))
     for beta in betas:
@@ -238,6 +239,7 @@ def plot_beta(betas: tuple[float, ...] = (0.05, 0.1, 0.5)) -> Any:
     for a in ax:
         a.axvline(0, color="k", lw=0.5)
         a.legend()
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     return fig
 
