@@ -407,3 +407,41 @@ def test_a_misspelled_method_and_a_leftover_stub_line_are_named():
     stuck = written("05_mixed_precision", "HandScaler.update", "self.good_steps += 1\nraise NotImplementedError()")
     with pytest.raises(NotRightYet, match=r"runs into the stub's `raise NotImplementedError\(\)`"):
         lab_checks.check("HandScaler.update", stuck)
+
+
+GRADED = [("03_model", "RMSNorm.forward", "return mm.RMSNorm.forward(self, x)", "minimind_lib.model.RMSNorm.forward"),
+          ("04_gradient_accumulation", "clip_by_global_norm", "return torch.nn.utils.clip_grad_norm_(params, max_norm)",
+           "torch.nn.utils.clip_grad_norm_"),
+          ("04_gradient_accumulation", "accumulate_step", "import minimind_lib.train\nreturn minimind_lib.train."
+           "accumulate_step(model, micro_batches, normalization=normalization)", "minimind_lib.train.accumulate_step")]
+
+
+@pytest.mark.parametrize("stem, name, call, flagged", GRADED, ids=[g[1] for g in GRADED])
+def test_a_region_that_calls_the_library_passes_its_check_and_the_grader_flags_it(stem, name, call, flagged, tmp_path,
+                                                                                  capsys):
+    """The issue's three: a check compares behaviour, so these pass; `tools/handout.py --grade` names each call."""
+    assert lab_checks.check(name, written(stem, name, call)) is not None
+    nb = chapter(NB_DIR / f"{stem}.ipynb")
+    for cell in nb.cells:
+        for r in handout.find_regions(cell.source) if cell.cell_type == "code" else []:
+            if r.name == name:
+                lines = cell.source.split("\n")
+                cell.source = "\n".join(lines[:r.begin] + [r.indent + ln for ln in call.split("\n")] + lines[r.end + 1:])
+    nbformat.write(nb, tmp_path / f"{stem}.ipynb")
+    capsys.readouterr()
+    assert handout.main(["--grade", str(tmp_path / f"{stem}.ipynb")]) == 1
+    out = capsys.readouterr().out
+    assert re.search(rf"{stem}.ipynb: {re.escape(name)}: line \d+ of its cell uses {re.escape(flagged)}, a ready-made",
+                     out), out
+    assert out.count("ready-made") == 1, out  # only that region
+
+
+def test_the_grader_passes_the_chapters_and_names_a_stub(tmp_path, capsys):
+    for path in CHAPTERS:
+        assert handout.grade(path) == [], path.name
+        nbformat.write(handout.lab_edition(chapter(path), path.name), tmp_path / path.name)
+        stubs_left = handout.grade(tmp_path / path.name)
+        assert stubs_left == [f"{path.name}: {r.name}: still the stub (not written)"
+                              for r in handout.notebook_regions(chapter(path))], stubs_left
+    assert handout.main(["--grade", str(tmp_path / "nowhere.ipynb")]) == 2
+    assert "no chapter nowhere.ipynb" in capsys.readouterr().err

@@ -329,7 +329,8 @@ READY_MADE = {
     "Block.forward": (MM + "MiniMindBlock", MM + "FeedForward", "torch.nn.TransformerEncoderLayer"),
     "Decoder.forward": (MM + "MiniMindModel", MM + "MiniMindForCausalLM"),
     "init_weights": (MM + "MiniMindForCausalLM",), "lr_at": ("minimind_lib.train.lr_at", "torch.optim.lr_scheduler"),
-    "clip_by_global_norm": ("torch.nn.utils.clip_grad", "torch.nn.utils.get_total_norm",
+    "clip_by_global_norm": ("torch.nn.utils.clip_grad_norm_", "torch.nn.utils.clip_grad_norm", "torch.nn.utils.clip_grad",
+                            "torch.nn.utils.get_total_norm",
                             "torch.nn.utils.clip_grads_with_norm_", "minimind_lib.train"),
     "optimizer_step": ("minimind_lib.train.optimizer_step",),
     "accumulate_step": ("minimind_lib.train.accumulate_step", "minimind_lib.train.fit"),
@@ -387,12 +388,12 @@ def grade(path: Path, chapters: Path = REPO_DIR / "notebooks") -> list[str]:
         nb = nbformat.read(path, as_version=4)
     except Exception as e:  # nbformat raises several kinds for a file that is not a notebook
         raise HandoutError(f"{path}: not a notebook ({type(e).__name__}: {e})") from None
-    cells = {c.metadata.get("nbgrader", {}).get("grade_id"): _parsable(c.source) for c in nb.cells
-             if c.cell_type == "code"}
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    cells = {c.metadata["nbgrader"].get("grade_id"): _parsable(c.source) for c in code if "nbgrader" in c.metadata}
     imports, notes = {}, []
-    for source in cells.values():
+    for cell in code:
         with contextlib.suppress(SyntaxError):
-            imports |= _imports(ast.parse(source))
+            imports |= _imports(ast.parse(_parsable(cell.source)))
     for cell in nbformat.read(chapter, as_version=4).cells:
         grade_id = cell.metadata.get("nbgrader", {}).get("grade_id")
         for r in find_regions(cell.source) if cell.cell_type == "code" else []:

@@ -1,12 +1,11 @@
 """The lab edition's checks: this engine, and a table of regions per chapter (chNN_*.py beside it; a chapter adds one).
 
-The lab edition (tools/handout.py) leaves nbgrader's stub in each solution region; the cell after it runs
-`X = lab.check(name, X)`. A stub prints "not written yet" and a hint, and returns the library's rule. Written code runs
-on the region's fixed cases (chosen so that every usual mistake shows; they alone decide, so the same code gets the same
-verdict every time), then on a few random ones, against the library. The first difference is named in the learner's
-terms; a usual mistake is named only when running it (the reference with one edit) gives exactly what the learner's
-code gives on every fixed case. Code that uses another region's object (Block builds RMSNorm) is checked with the
-library's rule in place of any such object whose check failed, and the message says so.
+`X = lab.check(name, X)` after a region: a stub (nbgrader's, left by tools/handout.py) gets "not written yet", a hint
+and the library's rule; written code runs on the region's fixed cases (each usual mistake shows on one; they decide, so
+the same code gets the same verdict every time), then on random ones, against the library. The first difference is
+named in the learner's terms; a usual mistake only when running it (the reference with one edit) gives exactly what
+the learner's code gives. Another region's failed object that the code uses (Block builds RMSNorm) is replaced by the
+library's rule while it is checked, and the message says so.
 """
 from __future__ import annotations
 
@@ -42,8 +41,7 @@ class Case:
 
 
 @dataclass
-class Share:
-    """Float32 math cast to bfloat16: all values within `loose`, at most a `share` beyond `tight`."""
+class Share:  # float32 math cast to bfloat16 at the end: all within `loose`, at most a `share` beyond `tight`
     tight: float
     loose: float
     share: float
@@ -96,8 +94,12 @@ def with_method(cls: type, name: str, rule: Callable) -> type:
     return type(cls.__name__, (cls,), {name: rule, "__doc__": cls.__doc__})
 
 
+def _impl(r: Region, yours: Any, rule: Callable) -> Any:
+    return with_method(yours, r.method, rule) if r.method else rule
+
+
 def fallback(r: Region, yours: Any) -> Any:
-    return with_method(yours, r.method, r.reference) if r.method else r.reference
+    return _impl(r, yours, r.reference)
 
 
 def differs(what: str, yours: Any, want: Any, tol: Any, at: tuple = ()) -> tuple[str, tuple] | None:
@@ -206,7 +208,7 @@ def _verdict(r: Region, yours: Any, seed: int) -> tuple | None:
         if found:
             cases, mine_all = (fixed, got) if i < len(fixed) else (fixed + [case], got + [mine])
             cause = next((what for what, wrong in r.mistakes if all(_same(
-                m, _outputs(r, with_method(yours, r.method, wrong) if r.method else wrong, c), c.tol or r.tol)
+                m, _outputs(r, _impl(r, yours, wrong), c), c.tol or r.tol)
                 for m, c in zip(mine_all, cases))), None)
             return case, found[0], found[1], cause, i >= len(fixed)
     return None
@@ -283,13 +285,13 @@ def check(name: str, yours: Any) -> Any:
                     + (f" (A random case, seed {seed}.)" if drawn else "") + f" Hint: {r.hint}", cause) from None
 
 
-def pick(g: torch.Generator, options: tuple) -> Any:
-    return options[int(torch.randint(len(options), (1,), generator=g))]
-
-
 def draw(g: torch.Generator, low: int, high: int) -> int:
     """An integer from low to high, both included."""
     return int(torch.randint(low, high + 1, (1,), generator=g))
+
+
+def pick(g: torch.Generator, options: tuple) -> Any:
+    return options[draw(g, 0, len(options) - 1)]
 
 
 def randomized(module: torch.nn.Module, seed: int) -> torch.nn.Module:

@@ -136,7 +136,7 @@ def accumulate(model, micro_batches, normalization="token"):
         else:
             loss = token_losses / trained_tokens(mb["labels"]) / len(micro_batches)
         loss.backward()
-        loss_sum += float(token_losses)
+        loss_sum += float(token_losses.detach())
     return {"loss_sum": loss_sum, "n_tokens": n_tokens, "loss": loss_sum / n_tokens}
 
 
