@@ -140,7 +140,8 @@ def test_a_slot_sums_its_sections_regions_and_exercises(tmp_path: Path):
     body = 'def f(x):\n    """Doc."""\n    ### BEGIN SOLUTION\n    return x\n    ### END SOLUTION\n'
     cells = [nbformat.v4.new_markdown_cell("intro " * 120), nbformat.v4.new_markdown_cell("## 1. One\n" + "w " * 238),
              nbformat.v4.new_code_cell(body, metadata={"nbgrader": {"solution": True, "grade_id": "f"}}),
-             nbformat.v4.new_markdown_cell("## 2. Two\n" + "w " * 598), nbformat.v4.new_markdown_cell("### Exercise 1: x")]
+             nbformat.v4.new_markdown_cell("## 2. Two\n" + "w " * 598),
+             nbformat.v4.new_markdown_cell("### Exercise 1: x")]
     nbformat.write(nbformat.v4.new_notebook(cells=cells), tmp_path / "04_x.ipynb")
     row = course_times.estimates(tmp_path)["04"]
     assert row["sections"] == {"0": 1, "1": 2, "2": 5}  # 120, 240 (+ the region's 3 code lines) and 600 words

@@ -116,7 +116,8 @@ def test_handout_strips_outputs_and_keeps_solutions_apart(tmp_path: Path):
         assert "execution" not in code.metadata and code.metadata["tags"] == ["t"]
     assert nbformat.read(out / "notebooks" / "01_a.ipynb", 4).cells[2].source == REGION_CELL
     lab = nbformat.read(out / "lab" / "01_a.ipynb", 4)
-    assert lab.cells[3].source == 'def twice(x):\n    """Twice x."""\n    # YOUR CODE HERE\n    raise NotImplementedError()'
+    assert lab.cells[3].source == ('def twice(x):\n    """Twice x."""\n    # YOUR CODE HERE\n'
+                                   '    raise NotImplementedError()')
     assert lab.cells[1].id == handout.LAB_INTRO_ID and "regions, in order: `twice`." in lab.cells[1].source  # made here
     assert "lab-edition" not in nbformat.read(out / "notebooks" / "01_a.ipynb", 4).cells[1].get("id", "")
     assert nbformat.read(out / "solutions" / "01_a.ipynb", 4).cells[0].source == \

@@ -205,7 +205,8 @@ def value_of(key: str, notebook_dir: Path = NOTEBOOKS, timings_dir: Path = cours
     source, _, spec = key.partition(":")
     sources = {"est": lambda: estimate_value(spec, notebook_dir), "run": lambda: measured_value(spec, timings_dir),
                "out": lambda: output_value(spec, notebook_dir), "committed": lambda: committed_value(spec, notebook_dir),
-               "region": lambda: region_value(spec, notebook_dir), "slot": lambda: slot_value(spec, notebook_dir)}
+               "region": lambda: region_value(spec, notebook_dir),
+               "slot": lambda: slot_value(spec, notebook_dir)}
     if source not in sources:
         raise KeyError(f"{key!r}: a key starts with one of {', '.join(s + ':' for s in sources)}")
     return sources[source]()

@@ -329,8 +329,8 @@ READY_MADE = {
     "Block.forward": (MM + "MiniMindBlock", MM + "FeedForward", "torch.nn.TransformerEncoderLayer"),
     "Decoder.forward": (MM + "MiniMindModel", MM + "MiniMindForCausalLM"),
     "init_weights": (MM + "MiniMindForCausalLM",), "lr_at": ("minimind_lib.train.lr_at", "torch.optim.lr_scheduler"),
-    "clip_by_global_norm": ("torch.nn.utils.clip_grad_norm_", "torch.nn.utils.clip_grad_norm", "torch.nn.utils.clip_grad",
-                            "torch.nn.utils.get_total_norm",
+    "clip_by_global_norm": ("torch.nn.utils.clip_grad_norm_", "torch.nn.utils.clip_grad_norm",
+                            "torch.nn.utils.clip_grad", "torch.nn.utils.get_total_norm",
                             "torch.nn.utils.clip_grads_with_norm_", "minimind_lib.train"),
     "optimizer_step": ("minimind_lib.train.optimizer_step",),
     "accumulate_step": ("minimind_lib.train.accumulate_step", "minimind_lib.train.fit"),
@@ -354,7 +354,8 @@ def _imports(tree: ast.AST) -> dict[str, str]:
     names = {}
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            names |= {a.asname or a.name.split(".")[0]: a.name if a.asname else a.name.split(".")[0] for a in node.names}
+            names |= {a.asname or a.name.split(".")[0]: a.name if a.asname else a.name.split(".")[0]
+                      for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module:
             names |= {a.asname or a.name: f"{node.module}.{a.name}" for a in node.names}
     return names

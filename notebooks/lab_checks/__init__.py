@@ -181,7 +181,8 @@ def _code(r: Region, yours: Any) -> Any:
 def _is_stub(code: Any) -> bool:
     """Whether a function's code is nbgrader's stub alone: `raise NotImplementedError()` after the docstring."""
     ops = [i for i in dis.get_instructions(code) if i.opname not in ("RESUME", "NOP", "PRECALL", "PUSH_NULL", "CACHE")]
-    return [i.opname for i in ops] == ["LOAD_GLOBAL", "CALL", "RAISE_VARARGS"] and ops[0].argval == "NotImplementedError"
+    names = [i.opname for i in ops]
+    return names == ["LOAD_GLOBAL", "CALL", "RAISE_VARARGS"] and ops[0].argval == "NotImplementedError"
 
 
 def _raised(r: Region, yours: Any, outcome: Raised) -> str:
@@ -281,7 +282,8 @@ def check(name: str, yours: Any) -> Any:
     where = f" {r.reading(case, at)}" if r.reading and at and not cause else ""
     axes = f" ({', '.join(f'{a} {i}' for a, i in zip(r.axes, at))})" if r.axes and len(at) == len(r.axes) else ""
     raise not_right(f"{name}: not right yet: on {case.what}, {difference}{axes}.{where}"
-                    + (f" It gives exactly what this usual mistake gives: {cause}" if cause else "") + _whose(notes, False)
+                    + (f" It gives exactly what this usual mistake gives: {cause}" if cause else "")
+                    + _whose(notes, False)
                     + (f" (A random case, seed {seed}.)" if drawn else "") + f" Hint: {r.hint}", cause) from None
 
 

@@ -24,14 +24,16 @@ region("get_stats", "count every pair of neighbours within each word, overlappin
                                                              for _ in range(draw(g, 1, 8))] for n in (1, 2, 300))],
        mistakes=(("It counts a pair across two words: pairs never cross the end of a word.",
                   ("for ids in words:", "for ids in [[i for w in words for i in w]]:")),
-                 ("It counts each pair once per word ('aaa' holds 'aa' twice).", ("zip(ids, ids[1:])", "set(zip(ids, ids[1:]))")),))
+                 ("It counts each pair once per word ('aaa' holds 'aa' twice).",
+                  ("zip(ids, ids[1:])", "set(zip(ids, ids[1:]))")),))
 
 region("merge", "scan left to right: where the pair starts, write new_id and move past both its ids; else copy one.",
        bpe.merge, fixed=lambda: [Case(f"merge({i}, {p}, 9)", i, p, 9) for i, p in (
            ([7, 7, 7], (7, 7)), ([1, 2, 3, 1, 2, 3], (1, 2)), ([3, 1, 2], (1, 2)), ([], (1, 2)), ([5], (5, 5)))],
        drawn=lambda g: [Case(f"merge({i}, {p}, 256)", i, p, 256) for i, p in (
            ([draw(g, 0, n) for _ in range(draw(g, 0, 16))], (draw(g, 0, n), draw(g, 0, n))) for n in (1, 2, 4) * 3)],
-       mistakes=(("After a merge it moves on by one, so in [7, 7, 7] the middle 7 is used twice.", ("i += 2", "i += 1")),
+       mistakes=(("After a merge it moves on by one, so in [7, 7, 7] the middle 7 is used twice.",
+                  ("i += 2", "i += 1")),
                  ("It merges only the first occurrence of the pair.", ("append(new_id)", "append(new_id)\n            "
                                                                        "pair = None")),
                  ("It misses the pair formed by the last two ids.", ("i + 1 < len(ids)", "i + 2 < len(ids)")),
@@ -59,7 +61,8 @@ region("train", "from every text's byte ids: count, merge the most frequent pair
                  ("It merges the least frequent pair.", (PICK, "min(stats, key=lambda p: (stats[p], p))")),
                  ("Its new ids count from 0: they follow the 256 bytes, each the vocabulary's length.",
                   ("= len(vocab)", "= len(merges)")),
-                 ("Its new ids count from 255: each is the vocabulary's length.", ("= len(vocab)", "= len(vocab) - 1"))))
+                 ("Its new ids count from 255: each is the vocabulary's length.",
+                  ("= len(vocab)", "= len(vocab) - 1"))))
 
 
 def _encode_cases() -> list:

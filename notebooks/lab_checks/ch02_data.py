@@ -82,8 +82,8 @@ region("assistant_mask", "1 from the token after each <|im_start|>assistant\\n h
        "<|im_end|> and the newline after it, 0 elsewhere, lined up with ids (the model does the shift).",
        lambda ids: C.assistant_mask(tok(), ids).tolist(), output="the mask",
        run=lambda fn, c: [int(v) for v in fn(list(c.args[0]))], drawn=lambda g: [_chat(g) for _ in range(3)],
-       fixed=lambda: [_conversation([("system", "Be brief."), ("user", "Who wrote Hamlet?"), ("assistant", "Shakespeare."),
-                                     ("user", "床前明月光"), ("assistant", "疑是地上霜。")]),
+       fixed=lambda: [_conversation([("system", "Be brief."), ("user", "Who wrote Hamlet?"),
+                                     ("assistant", "Shakespeare."), ("user", "床前明月光"), ("assistant", "疑是地上霜。")]),
                       _conversation([("user", "2 + 2?"), ("assistant", "4"), ("user", "?")])],
        reading=lambda case, at: f"Position {at[0]} holds {tok().decode([case.args[0][at[0]]])!r}.",
        mistakes=(("It is the mask moved one position earlier: it lines up with ids; the model does the shift.",
@@ -148,4 +148,5 @@ region("pad_batch", "cut the rows to seq_len; width seq_len (fixed) or the longe
        mistakes=(("Pads get the label pad_id, not -100: the loss would train the model to predict padding.",
                   ("length), IGNORE_INDEX", "length), int(pad_id)")),
                  ("The attention_mask is 1 on pads: 1 marks the real tokens only.", (".zeros((", ".ones((")),
-                 ("It pads on the left: each row starts at position 0.", ("[r, :len(ids)]", "[r, length - len(ids):]"))))
+                 ("It pads on the left: each row starts at position 0.",
+                  ("[r, :len(ids)]", "[r, length - len(ids):]"))))

@@ -48,7 +48,8 @@ region("rope_tables", "pair i turns at theta^(-2i/head_dim) per position; cos an
        mistakes=(("Its speeds are theta^(+2i/head_dim): the exponent is negative.", ("1.0 / (theta **", "(theta **")),
                  ("It takes every i of 0..head_dim - 1, not the even ones.",
                   ("torch.arange(0, head_dim, 2)[: head_dim // 2]", "torch.arange(0, head_dim)")),
-                 ("It gives head_dim/2 columns: the second half repeats the first.", (TABLES, "angles.cos(), angles.sin()")),
+                 ("It gives head_dim/2 columns: the second half repeats the first.",
+                  (TABLES, "angles.cos(), angles.sin()")),
                  ("It repeats each column beside itself (GPT-J's pairs): MiniMind repeats the first half as a whole.",
                   (TABLES, "angles.cos().repeat_interleave(2, -1), angles.sin().repeat_interleave(2, -1)"))))
 
@@ -97,7 +98,8 @@ def written_out(self, x, cos, sin):
     """The same, written out: the base of its usual mistakes."""
     q, k, v = self.heads(x)
     q, k = mm.apply_rotary_pos_emb(q, k, cos, sin)
-    q, k, v = q.transpose(1, 2), mm.repeat_kv(k, self.n_rep).transpose(1, 2), mm.repeat_kv(v, self.n_rep).transpose(1, 2)
+    k, v = mm.repeat_kv(k, self.n_rep), mm.repeat_kv(v, self.n_rep)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     s = q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5
     s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
     return self.o_proj((s.softmax(-1) @ v).transpose(1, 2).reshape(*x.shape[:2], -1))
@@ -135,7 +137,8 @@ region("Attention.forward", "heads, apply_rope to q and k, repeat_kv to k and v,
            ("Queries see later keys: the causal mask is missing.", (".ones(s.shape[-2:]", ".zeros(s.shape[-2:]")),
            ("The scores are not scaled by 1 / sqrt(head_dim).", (" / q.shape[-1] ** 0.5", "")),
            ("The scores are divided by head_dim: the scale is 1 / sqrt(head_dim).", ("** 0.5", "** 1")),
-           ("The scores are scaled by the width: the scale is 1 / sqrt(head_dim).", ("q.shape[-1] **", "x.shape[-1] **")),
+           ("The scores are scaled by the width: the scale is 1 / sqrt(head_dim).",
+            ("q.shape[-1] **", "x.shape[-1] **")),
            ("The softmax runs over the queries (dim -2): each query's weights over the keys sum to 1.",
             ("softmax(-1)", "softmax(-2)")),
            ("The heads are merged without moving them back (transpose(1, 2)), so positions and heads mix.",
@@ -162,13 +165,14 @@ region("Block.forward", "x plus attention of the first norm of x; that plus the 
                   [(ATTN, "x = self.input_layernorm(x + self.self_attn(x, cos, sin))"), ("h = self.post_", "h = x  #"),
                    ("return x + self.mlp.down_proj(", "return self.post_attention_layernorm(x + self.mlp.down_proj("),
                    ("up_proj(h))\n", "up_proj(h)))\n")]),
-                 ("It normalises the residual stream itself (x = norm(x) + attn(norm(x))): only each sub-layer's input.",
+                 ("It normalises the residual stream itself (x = norm(x) + attn(norm(x))): only sub-layers' inputs.",
                   [("x = x + self", "x = self.input_layernorm(x) + self"), ("return x + ", "return h + ")]),
                  ("The feed-forward is fed the block's input: it takes the norm of the sum after attention.",
                   [(ATTN, "x0, " + ATTN.replace("x = x", "x = x, x")), ("layernorm(x)\n", "layernorm(x0)\n")]),
                  ("It gates with gelu: SwiGLU gates with silu (x * sigmoid(x)).", ("F.silu(", "F.gelu(")),
                  ("silu is applied to up_proj's output: SwiGLU gates with gate_proj's.",
-                  ("silu(self.mlp.gate_proj(h)) * self.mlp.up_proj(h)", "silu(self.mlp.up_proj(h)) * self.mlp.gate_proj(h)"))))
+                  ("silu(self.mlp.gate_proj(h)) * self.mlp.up_proj(h)",
+                   "silu(self.mlp.up_proj(h)) * self.mlp.gate_proj(h)"))))
 
 
 def decoder(self, ids):

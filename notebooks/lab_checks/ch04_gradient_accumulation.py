@@ -117,13 +117,15 @@ region("optimizer_step", "clip the global norm to grad_clip with PyTorch's clip_
        "whether it was finite).", library_step, run=_stepped,
        fixed=lambda: [_steps("AdamW", 0, [1.0, None, 2.0, 0.0], 2), _steps("SGD", 1, [0.5, 100.0, None, 1.0], 0)],
        drawn=lambda g: [_steps(pick(g, ("AdamW", "SGD")), draw(g, 2, 999), [1.0, None, 0.5, 3.0], draw(g, 0, 3))],
-       mistakes=(("It steps although the norm is inf/NaN: that turns the weights (and AdamW's states) into inf/NaN; skip "
-                  "the step, and still clear the gradients.", edited(step, ("if math.isfinite(grad_norm):", "if 1:"))),
+       mistakes=(("It steps although the norm is inf/NaN: that turns the weights (and AdamW's states) into inf/NaN; "
+                  "skip the step, and still clear the gradients.",
+                  edited(step, ("if math.isfinite(grad_norm):", "if 1:"))),
                  ("It leaves the gradients in .grad: the next backward would add to them. Clear them (zero_grad) after "
                   "every step, a skipped one too.", edited(step, ("optimizer.zero_grad(set_to_none=True)", "pass"))),
                  ("It returns the norm after clipping: return the norm before it, the number the loop logs.",
-                  edited(step, ("grad_norm = float(", "grad_norm = 0 * float("), ("    if math", "    grad_norm = float("
-                         "torch.nn.utils.get_total_norm([p.grad for p in params]))\n    if math")))))
+                  edited(step, ("grad_norm = float(", "grad_norm = 0 * float("),
+                         ("    if math", "    grad_norm = float(torch.nn.utils.get_total_norm([p.grad for p in "
+                                       "params]))\n    if math")))))
 
 
 def accumulate(model, micro_batches, normalization="token"):
@@ -166,10 +168,11 @@ def _micro(seed, normalization):
     return Case(f"normalization={normalization!r}, micro-batches of {counts} trained tokens", seed, normalization)
 
 
-TOKEN, NAIVE = "loss = token_losses / n_tokens", 'loss = token_losses / trained_tokens(mb["labels"]) / len(micro_batches)'
+TOKEN = "loss = token_losses / n_tokens"
+NAIVE = 'loss = token_losses / trained_tokens(mb["labels"]) / len(micro_batches)'
 region("accumulate_step", "count the trained tokens N of all the micro-batches from their labels first; then for each "
-       "micro-batch: forward, the sum of its token losses, divided by N ('token') or by its own trained tokens and by k "
-       "('naive'), backward. Add up the summed token losses for the result.",
+       "micro-batch: forward, the sum of its token losses, divided by N ('token') or by its own trained tokens and by "
+       "k ('naive'), backward. Add up the summed token losses for the result.",
        lambda m, mbs, normalization="token": T.accumulate_step(m, mbs, normalization=normalization),
        run=_accumulated, tol=1e-3, fixed=lambda: [_micro(0, "token"), _micro(0, "naive")],
        drawn=lambda g: [_micro(draw(g, 1, 999), pick(g, ("token", "naive")))],

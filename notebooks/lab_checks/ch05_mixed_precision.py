@@ -62,5 +62,5 @@ region("HandScaler.update", "after an overflow (found_inf): the scale times back
                   [(GROW, "if self.good_steps >= self.growth_interval:"),
                    ("self.scale_value *= self.growth_factor\n            self.good_steps = 0",
                     "self.scale_value *= self.growth_factor")]),
-                 ("On an overflow it leaves the scale as it is: it must shrink (times backoff_factor), or the next step "
-                  "overflows again.", ("self.scale_value *= self.backoff_factor", "pass"))))
+                 ("On an overflow it leaves the scale as it is: it must shrink (times backoff_factor), or the next "
+                  "step overflows again.", ("self.scale_value *= self.backoff_factor", "pass"))))

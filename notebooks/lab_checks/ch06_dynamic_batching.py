@@ -31,8 +31,8 @@ region("fill_batches", "walk the samples in order, keeping the open batch and it
                       _fill([2, 0, 1], [3, 9, 3], 8), _fill([0, 1, 2, 3], [1, 1, 1, 1], None, 3), _fill([], [], 8)],
        mistakes=(("It counts rows against the budget, which is on padded tokens: rows x the longest row.",
                   (COST, "len(batch) + 1")),
-                 ("It counts the rows' real tokens (their sum): every row is padded to the longest row of its batch, so "
-                  "the budget is on rows x the longest row.", (COST, "sum(int(lengths[j]) for j in batch) + n")),
+                 ("It counts the rows' real tokens (their sum): every row is padded to the longest row of its batch, "
+                  "so the budget is on rows x the longest row.", (COST, "sum(int(lengths[j]) for j in batch) + n")),
                  ("It multiplies by the new row's length, but every row is padded to the longest row in the batch, "
                   "counting the rows already in it.", (COST, "(len(batch) + 1) * n")),
                  ("It splits a batch that fills the budget exactly (< for <=).", ("<= max_tokens", "< max_tokens"))))
@@ -40,7 +40,8 @@ region("fill_batches", "walk the samples in order, keeping the open batch and it
 
 def docs(lengths, g=None):
     """Documents (ids, labels) of the given lengths; with g, about 30% of the labels -100."""
-    out = [(torch.arange(100 * d, 100 * d + n), torch.arange(100 * d, 100 * d + n) + 1000) for d, n in enumerate(lengths)]
+    out = [(torch.arange(100 * d, 100 * d + n), torch.arange(100 * d, 100 * d + n) + 1000)
+           for d, n in enumerate(lengths)]
     for ids, labels in out if g is not None else []:
         labels[torch.rand(len(ids), generator=g) < 0.3] = -100
     return out
@@ -108,7 +109,8 @@ region("rows_from_segments", "start from (rows, seq_len) tensors of pad_id, -100
                  ("doc_ids on padding are not -1: padding belongs to no document.",
                   ('"doc_ids": torch.full(shape, -1)', '"doc_ids": torch.full(shape, 0)')),
                  ("doc_ids count on from the row before: they number the segments within each row, from 0.",
-                  ('out["doc_ids"][r, pos:pos + n] = d', 'out["doc_ids"][r, pos:pos + n] = d + sum(map(len, rows[:r]))'))))
+                  ('out["doc_ids"][r, pos:pos + n] = d',
+                   'out["doc_ids"][r, pos:pos + n] = d + sum(map(len, rows[:r]))'))))
 
 
 def _oom(sizes, lengths, halvings, retries, seq_cut, seq_len):
@@ -122,8 +124,8 @@ def _oom_drawn(g):
     out = []
     for k in range(12):
         lengths = [[draw(g, 1, 300) for _ in range(1 if k % 5 == 0 else draw(g, 1, 6))] for _ in range(draw(g, 1, 4))]
-        sizes, retries = pick(g, ((draw(g, 1, 12), None), (None, draw(g, 50, 2000)), (draw(g, 1, 8), draw(g, 50, 900)))), \
-            draw(g, 0, 4)
+        sizes = pick(g, ((draw(g, 1, 12), None), (None, draw(g, 50, 2000)), (draw(g, 1, 8), draw(g, 50, 900))))
+        retries = draw(g, 0, 4)
         out.append(_oom(sizes, lengths, draw(g, 0, retries), retries, pick(g, (0.5, 0.8)), pick(g, (None, 64))))
     return out
 
@@ -132,7 +134,8 @@ region("after_oom", "while halvings < max_retries and some micro-batch has more 
        "set, from what the largest such micro-batch used (its rows; rows x longest row), never below 1; otherwise cut: "
        "seq_len becomes seq_cut x the step's longest row (as cut now).", B.after_oom,
        run=lambda fn, c: list(fn(*c.args)), output="(kind, sizes, seq_len)", drawn=_oom_drawn,
-       fixed=lambda: [_oom((None, 1000), [[100, 90, 90]], 0, 3, 0.8, None), _oom((8, None), [[10] * 4], 0, 3, 0.8, None),
+       fixed=lambda: [_oom((None, 1000), [[100, 90, 90]], 0, 3, 0.8, None),
+                      _oom((8, None), [[10] * 4], 0, 3, 0.8, None),
                       _oom((None, 400), [[100], [50]], 0, 3, 0.8, None), _oom((4, None), [[10, 10]], 3, 3, 0.8, None),
                       _oom((6, 500), [[300, 20]], 1, 2, 0.5, 64)],
        mistakes=(("It halves the cap, not what the micro-batch that ran out used: with a cap of 1000 padded tokens and "
@@ -178,8 +181,8 @@ region("memory_check", "above high_water (and some size above 1): every set size
                       _memory(0.9, (1, None), (8, None), 256, 256, None, 0.8, 0.5, 0.8),
                       _memory(0.3, (None, 500), (None, 1000), 163, 256, 256, 0.8, 0.5, 0.8),
                       _memory(0.1, (3, 250), (8, 1000), 256, 256, None, 0.8, 0.5, 0.8)],
-       mistakes=(("It grows the micro-batch while the rows are still cut after an out-of-memory error: the cut sequence "
-                  "length comes back first, and until it can, nothing grows.",
+       mistakes=(("It grows the micro-batch while the rows are still cut after an out-of-memory error: the cut "
+                  "sequence length comes back first, and until it can, nothing grows.",
                   ("        return None, sizes, seq_len, uncut_len\n    grown", "    grown")),
                  ("It grows without predicting the peak: only if the peak x the growth stays under high water.",
                   ("frac * max(g / s for g, s in zip(grown, sizes) if s) < high_water", "True")),

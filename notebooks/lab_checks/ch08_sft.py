@@ -95,15 +95,16 @@ def top_p(logits, p):
 
 def _logits(logits, p):
     logits = torch.tensor(logits)
-    return Case(f"keep_top_p({logits.tolist() if logits.numel() < 20 else f'random logits {tuple(logits.shape)}'}, {p})",
-                logits, p)
+    shown = logits.tolist() if logits.numel() < 20 else f"random logits {tuple(logits.shape)}"
+    return Case(f"keep_top_p({shown}, {p})", logits, p)
 
 
 region("keep_top_p", "sort the probabilities, most likely first; a token is dropped when the tokens before it already "
        "hold top_p; set the dropped ones' logits to -inf and put the logits back in vocabulary order.", library_top_p,
        run=lambda fn, c: fn(c.args[0].clone(), c.args[1]).float().softmax(-1), tol=1e-6, axes=("row", "token"),
        output="the probabilities to sample from (the softmax of what it returns)",
-       fixed=lambda: [_logits([[4.0, 3.0, 2.0, 1.0, 0.0, -1.0]], 0.8), _logits([[0.1, 2.0, -1.0], [3.0, -2.0, 0.2]], 0.5),
+       fixed=lambda: [_logits([[4.0, 3.0, 2.0, 1.0, 0.0, -1.0]], 0.8),
+                      _logits([[0.1, 2.0, -1.0], [3.0, -2.0, 0.2]], 0.5),
                       _logits([[1.0, 5.0, 2.0, 0.0]], 0.05)],
        drawn=lambda g: [_logits((torch.randn(draw(g, 1, 4), draw(g, 5, 300), generator=g) * 2).tolist(),
                                 round(float(torch.rand(1, generator=g)) * 0.9 + 0.05, 3)) for _ in range(3)],

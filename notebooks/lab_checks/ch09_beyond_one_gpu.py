@@ -83,8 +83,8 @@ def _ranks(fn, case):
 
 
 def _world(seed, world):
-    return Case(f"{world} ranks holding {_shares(seed, world)[2]} trained tokens (n_global {sum(_shares(seed, world)[2])})",
-                seed, world)
+    counts = _shares(seed, world)[2]
+    return Case(f"{world} ranks holding {counts} trained tokens (n_global {sum(counts)})", seed, world)
 
 
 LOSS = "* world / n_global"
@@ -154,7 +154,8 @@ region("accumulate_no_sync", "every micro-batch's backward through the DDP model
                  ("The all-reduce happens in the first micro-batch's backward: the later ones' gradients stay on their "
                   "rank and are never summed across ranks.", (LAST, "i == 0")),
                  ("No backward all-reduces: the last micro-batch ran under no_sync() too.", (LAST, "False")),
-                 ("no_sync() is on the last micro-batch instead of the others.", (LAST, "i != len(micro_batches) - 1"))))
+                 ("no_sync() is on the last micro-batch instead of the others.",
+                  (LAST, "i != len(micro_batches) - 1"))))
 
 
 def per_rank_memory(config: MiniMindConfig, world: int, batch_size: int, seq_len: int, amp: str = "bf16") -> dict:
@@ -187,8 +188,8 @@ def _sizes(g=None):
                            num_attention_heads=heads, num_key_value_heads=heads // pick(g, (1, 2, 4)),
                            vocab_size=pick(g, (6400, 32000, 151936)))
         world, batch, seq, amp = draw(g, 1, 16), draw(g, 1, 8), pick(g, (128, 2048)), pick(g, ("bf16", "fp16", "off"))
-    return Case(f"per_rank_bytes(c, {world}, {batch}, {seq}, {amp!r}), c of width {c.hidden_size}, {c.num_hidden_layers}"
-                f" layers, vocabulary {c.vocab_size}", c, world, batch, seq, amp)
+    return Case(f"per_rank_bytes(c, {world}, {batch}, {seq}, {amp!r}), c of width {c.hidden_size}, "
+                f"{c.num_hidden_layers} layers, vocabulary {c.vocab_size}", c, world, batch, seq, amp)
 
 
 COPY = '"autocast weight copy": 0,'
@@ -205,4 +206,5 @@ region("per_rank_bytes", "weights, gradients, AdamW moments, the autocast copy a
                   ('("fp32 weights", "fp32 gradients", "AdamW moments")', '("fp32 weights", "AdamW moments")')),
                  ("It counts one AdamW moment: AdamW keeps two in fp32 (exp_avg, exp_avg_sq), 8 bytes per parameter.",
                   ('est["optimizer_bytes"]', 'est["optimizer_bytes"] / 2')),
-                 ("It keeps an autocast copy of every weight under FSDP2: FSDP2 casts one unit at a time.", (COPY, ""))))
+                 ("It keeps an autocast copy of every weight under FSDP2: FSDP2 casts one unit at a time.",
+                  (COPY, ""))))
