@@ -238,9 +238,10 @@ def _stand_ins(yours: Any) -> Any:
 
 
 def _whose(notes: list, passed: bool) -> str:
-    """Whose code the check ran, when some of it was not the learner's (empty when it all was)."""
-    names = {v: ", ".join(n for n, verdict in notes if verdict == v) for v in ("library", "failed")}
-    said = [f"the library's {names['library']} (yours is not written yet)"] if names["library"] else []
+    """Whose code the check ran: the other regions' objects it used (after a pass, only when some were not yours)."""
+    names = {v: ", ".join(n for n, verdict in notes if verdict == v) for v in ("passed", "library", "failed")}
+    said = [f"your {names['passed']} (passed)"] if names["passed"] and not passed else []
+    said += [f"the library's {names['library']} (yours is not written yet)"] if names["library"] else []
     said += [f"the library's rule in place of your {names['failed']}, which has not passed its check"] \
         if names["failed"] else []
     after = f" The notebook goes on with yours, which uses your {names['failed']}: fix it, run its check again." \
