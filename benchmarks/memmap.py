@@ -88,6 +88,8 @@ def _child(side: str, args: dict, queue) -> None:
             ds = PretrainDataset(args["data"], tok, args["seq_len"], lazy=True, max_samples=args["max_samples"])
             out["build_s"] = time.perf_counter() - t0  # reading the texts into memory
         out["n_samples"] = len(ds)
+        if not len(ds):
+            raise ValueError(f"{args['data']}: no samples to read")
         tokens, read_s, anon_read = _read(ds, range(len(ds)))
         rng = np.random.default_rng(0)
         r_tokens, r_s, anon_rand = _read(ds, rng.integers(0, len(ds), args["random_reads"]))

@@ -520,6 +520,14 @@ def test_the_throughput_benchmark_refuses_an_empty_data_file(tmp_path):
     assert code == 2 and err == f"error: {tmp_path / 'empty.jsonl'}: no samples\n"
 
 
+def test_the_memmap_benchmark_refuses_an_empty_data_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("MINIMIND_PROFILE", "smoke")
+    (tmp_path / "empty.jsonl").write_text("")
+    code, err = bench(["memmap", "--data", str(tmp_path / "empty.jsonl"), "--hash-bytes", "1000"])
+    assert code == 2 and err == (f"error: memmap benchmark, memmap side failed: ValueError: "
+                                 f"{tmp_path / 'empty.jsonl'}: no samples to read\n"), err
+
+
 def tool(name: str, argv: list[str], capsys) -> tuple[int, str]:
     module = __import__(name)
     try:
