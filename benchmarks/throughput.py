@@ -72,7 +72,7 @@ from minimind_lib.device import device_name, get_device, synchronize
 from minimind_lib.memory import MemoryMeter
 from minimind_lib.model import MiniMindConfig, MiniMindForCausalLM, count_parameters, lm_loss
 from minimind_lib.paths import DATA_DIR
-from minimind_lib.profiles import get_profile
+from minimind_lib.profiles import PROFILES, get_profile
 from minimind_lib.tokenizer import load_tokenizer
 from minimind_lib.train import (TrainConfig, accumulate_step, build_optimizer, forward_logits, lr_at, optimizer_step,
                                 resolve_amp)
@@ -94,7 +94,7 @@ SPEC_PEAK_FLOPS = (("H100", 989e12, "bf16"), ("H200", 989e12, "bf16"), ("A100", 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     """The benchmark's arguments; defaults come from the profile."""
     p = argparse.ArgumentParser(prog="python -m benchmarks throughput", description=__doc__.splitlines()[0])
-    p.add_argument("--profile", default=None, help="profile name (default: MINIMIND_PROFILE or auto)")
+    p.add_argument("--profile", default=None, choices=sorted(PROFILES), help="default: MINIMIND_PROFILE or auto")
     p.add_argument("--config", default=None, help="model preset (default: the profile's)")
     p.add_argument("--seq", type=int, default=None, help="max row length in tokens (default: profile.seq_len)")
     p.add_argument("--batch", type=int, default=None, help="baseline rows per micro-batch (default: profile.batch_size)")

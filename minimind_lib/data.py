@@ -46,6 +46,7 @@ class DataStats:
     n_trained_tokens: int | None = None  # SFT: tokens with a label (after truncation)
     n_no_target: int = 0  # SFT: samples whose assistant tokens were all cut off by truncation
     n_undeclared_tool_calls: int = 0  # SFT: calls to a tool the system turn does not declare (kept, trained)
+    n_late_system_turns: int = 0  # SFT: conversations with a later system turn (kept: MiniMind-3's)
     skipped_examples: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
@@ -98,7 +99,8 @@ class _TokenDataset(Dataset):
         self.offsets = np.load(prefix + ".idx.npy")  # small (8 bytes per sample): read once; tokens stay on disk
         if len(self.offsets) != self.meta["n_samples"] + 1:
             raise ValueError(f"{prefix}.idx.npy has {len(self.offsets)} offsets, meta says {self.meta['n_samples']} samples")
-        self.read_counts = {k: self.meta.get(k, 0) for k in ("n_skipped", "n_blank", "n_undeclared_tool_calls")}
+        counted = ("n_skipped", "n_blank", "n_undeclared_tool_calls", "n_late_system_turns")
+        self.read_counts = {k: self.meta.get(k, 0) for k in counted}
         self.read_counts["skipped_examples"] = self.meta["skipped_examples"]
 
     def _read_jsonl(self, path: Path, tokenizer, on_error: str, max_samples: int | None) -> None:
@@ -179,10 +181,19 @@ class _TokenDataset(Dataset):
         stats = DataStats(n_samples=len(self), n_documents=len(raw), n_tokens=int(self.lengths.sum()),
                           n_truncated=0 if chunk else int(over.sum()), n_chunked=int(over.sum()) if chunk else 0,
                           truncated_tokens=0 if chunk else int((raw[over] - self.seq_len).sum()), **self.read_counts)
-        if self.kind == "sft":  # trained tokens after truncation: position 0 is never a target after the shift
-            trained = [int(np.count_nonzero(self.raw(i)[1][:self.seq_len][1:])) for i in range(self.n_documents())]
-            stats.n_trained_tokens, stats.n_no_target = sum(trained), trained.count(0)
+        if self.kind == "sft":
+            stats.n_trained_tokens = int(self.trained_counts.sum())
+            stats.n_no_target = int((self.trained_counts == 0).sum())
         return stats
+
+    @functools.cached_property
+    def trained_counts(self) -> np.ndarray | None:
+        """SFT: each sample's trained tokens after truncation (position 0 is never a target after
+        the shift); None for pretraining text, all trained."""
+        if self.kind != "sft":
+            return None
+        masks = (self.raw(i)[1][1:self.seq_len] for i in range(self.n_documents()))
+        return np.fromiter((np.count_nonzero(m) for m in masks), np.int64, self.n_documents())
 
 
 class PretrainDataset(_TokenDataset):
@@ -250,15 +261,19 @@ def memmap_dataset(path: Path, tok: Any, kind: str, seq_len: int, cache_dir: Pat
     return ds, info
 
 
-def holdout_indices(n: int, seed: int) -> tuple[list[int], list[int]]:
-    """(train, held out) indices of n samples: a fixed 5% drawn by seed (SFT's validation set), each sorted."""
+def holdout_indices(n: int, seed: int,
+                    trains: Sequence[bool] | None = None) -> tuple[list[int], list[int]]:
+    """(train, held out) indices of n samples, each sorted: a fixed 5% drawn by seed (SFT's
+    validation set) among the samples that train something (trains[i]; None: all do)."""
     order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
-    return sorted(order[max(1, n // 20):]), sorted(order[:max(1, n // 20)])
+    held = [i for i in order if trains is None or trains[i]][:max(1, n // 20)]
+    return sorted(set(order) - set(held)), sorted(held)
 
 
 def holdout_split(ds: Any, seed: int) -> tuple[Subset, Subset]:
     """(train, held out): holdout_indices of a dataset, as Subsets with their lengths and stats."""
-    parts = tuple(Subset(ds, part) for part in holdout_indices(len(ds), seed))
+    trains = None if ds.trained_counts is None else ds.trained_counts > 0
+    parts = tuple(Subset(ds, part) for part in holdout_indices(len(ds), seed, trains))
     for part in parts:
         part.lengths, part.stats = ds.lengths[part.indices], ds.stats
     return parts

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from . import WAIT_POLICY_SOURCE  # the package's first lines set the policy, before torch loads
+from .checks import require
 
 _NATIVE_CPU_FLAGS = {torch.bfloat16: {"avx512_bf16", "amx_bf16", "bf16"},  # /proc/cpuinfo flags: x86 AVX512, AMX; Arm
                      torch.float16: {"avx512_fp16", "amx_fp16", "asimdhp"}}  # x86 AVX512, AMX; Arm half-precision SIMD
@@ -22,6 +23,10 @@ def get_device(prefer: str | None = None) -> torch.device:
     TF32 for fp32 matmuls (Ampere on, fp32 accumulation; notebook 05)."""
     best = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
     device = torch.device(prefer or os.environ.get("MINIMIND_DEVICE") or best)
+    present = device.type not in ("cuda", "mps") or getattr(torch, device.type).is_available()
+    require(present, f"device {device} is not available on this machine (torch "
+            f"{torch.__version__}); pass --device cpu or leave --device out to use the best one "
+            f"present")
     if device.type == "cuda" and not torch.cuda.is_initialized():  # later the allocator has read its settings
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     if device.type == "cuda":

@@ -20,10 +20,14 @@ IGNORE_INDEX = -100  # the label of a position whose next token is not trained (
 
 
 # ---- Configuration
+MAX_POSITIONS = 2**17  # the rotary tables: 2 x head_dim floats a position, 128 MB at head_dim 128
 FIELD_RULES = {  # every field's rule, checked wherever a config is built: presets, notebooks, config.json, import-hf
     **dict.fromkeys(("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size",
-                     "max_position_embeddings", "num_experts", "num_experts_per_tok"),
+                     "num_experts", "num_experts_per_tok"),
                     (lambda v: type(v) is int and v > 0, "a positive integer")),  # type(): True is no size
+    "max_position_embeddings": (
+        lambda v: type(v) is int and 0 < v <= MAX_POSITIONS,
+        f"a positive integer <= {MAX_POSITIONS} (the rotary tables hold a row per position)"),
     **dict.fromkeys(("intermediate_size", "head_dim", "moe_intermediate_size"),  # None: derived from the others
                     (lambda v: v is None or type(v) is int and v > 0, "a positive integer (or None)")),
     **dict.fromkeys(("rope_theta", "rms_norm_eps"),  # the comparisons refuse nan

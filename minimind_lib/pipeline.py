@@ -24,6 +24,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+import numpy as np
 import pandas as pd
 import torch
 
@@ -32,8 +33,9 @@ from .batching import AdaptiveBatchController, TokenBudgetBatchSampler, TokenBud
 from .checkpoint import (METRICS_FILE, MODEL_FILE, RUN_FORMAT, RUN_VERSION, SAMPLES_FILE, STATE_FILE, SUMMARY_FILE,
                          RunError, check_out_dir, check_resume, check_target, load_run,
                          read_run_config, save_checkpoint, start_run_dir, stop_on_signals)
-from .corpus import check_choice, tokenizer_fingerprint
-from .data import LONG_DOCS_BY_KIND, holdout_split, memmap_dataset, pad_collate
+from .checks import require
+from .corpus import JsonlReader, check_choice, tokenizer_fingerprint
+from .data import LONG_DOCS_BY_KIND, holdout_split, memmap_dataset, pad_collate, trained_tokens
 from .device import get_device, total_memory_bytes
 from .fileio import atomic_write_text, exclusive_dir, file_fingerprint
 from .generate import chat_reply, generate
@@ -168,9 +170,6 @@ def _inputs(s: RunSettings, prof: Profile, device: torch.device) -> tuple[Any, M
     """(tokenizer, model config, preset, SFT's initial weights): every input checked before anything is written."""
     check_target(s.out or "", "--out")  # not '' (Path("") is ".") nor the working directory: a run is a folder
     check_loggers(s.loggers, s.out)
-    if device.type in ("cuda", "mps") and not getattr(torch, device.type).is_available():
-        raise RunError(f"device {device} is not available on this machine (torch {torch.__version__}); pass "
-                       f"--device cpu or leave --device out to use the best one present")
     for what, path in (("data", s.data), ("validation data", s.val_data)):
         if path is not None and not Path(path).is_file():
             raise FileNotFoundError(f"{what} file not found: {path}"
@@ -247,14 +246,37 @@ def _datasets(s: RunSettings, tok: Any, dinfo: Any, log: Callable[[str], None]) 
     val_ds, n_held_out = None, None
     if s.val_data is not None:
         val_ds, _ = memmap_dataset(Path(s.val_data), tok, s.stage, s.seq_len, cache, None, progress, s.on_error)
-    elif s.stage == "sft":  # no SFT validation file: hold out a fixed 5% of the conversations
+    elif s.stage == "sft":  # no SFT validation file: hold out 5% of the conversations that train
+        check_holdout(ds, s)
         ds, val_ds = holdout_split(ds, s.seed)
         n_held_out = len(val_ds)
     val = (validation_batches(val_ds, s.max_tokens, s.seq_len, tok.pad_token_id, s.val_batches)
            if val_ds is not None else None)
+    require(val is None or any(trained_tokens(b["labels"]) for b in val),
+            f"{s.val_data or s.data}: its first {s.val_batches} validation batch(es) hold no "
+            f"trained token within seq_len={s.seq_len} (their answers start later): raise "
+            f"--seq-len or --val-batches", RunError)
     if dinfo is not None and main:
         D.barrier()  # the caches are complete: the other ranks may open them
     return ds, val, n_held_out
+
+
+def check_holdout(ds: Any, s: RunSettings) -> None:
+    """Refuse, before anything is written, an SFT file with too few conversations that train a
+    token within seq_len to hold 5% of them out and still train: name the rows, why, what to do."""
+    trains, n_held = ds.trained_counts > 0, max(1, len(ds) // 20)
+    if int(trains.sum()) > n_held:
+        return
+    idle = np.flatnonzero(~trains)
+    reader = JsonlReader(s.data, on_error=s.on_error, kind="sft", max_samples=s.max_samples)
+    lines = [reader.n_lines for _ in reader]  # record i's line in the file
+    start = int(np.flatnonzero(ds.raw(int(idle[0]))[1])[0])  # its first answer's token, uncut
+    shown = ", ".join(str(lines[i]) for i in idle[:5]) + " ..." * (len(idle) > 5)
+    raise RunError(f"{s.data}: only {int(trains.sum())} of {len(ds)} conversations train a token "
+                   f"within seq_len={s.seq_len}; SFT holds out {n_held} that do for its validation "
+                   f"loss and needs more to train on. The others (lines {shown}) answer past it "
+                   f"(line {lines[idle[0]]}: from token {start}): raise --seq-len (to {start + 1} "
+                   f"or more), or pass --val-data FILE with conversations to hold out")
 
 
 # ----------------------------------------------------------------------------------- 4. the loop  5. the run directory

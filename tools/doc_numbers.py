@@ -230,6 +230,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("files", nargs="*", type=Path, default=list(DOCS))
     parser.add_argument("--check", action="store_true", help="exit 1 if a file's numbers are not up to date")
     args = parser.parse_args(argv)
+    missing = [str(path) for path in args.files if not path.is_file()]
+    if missing:
+        parser.error(f"no such file: {', '.join(missing)}")
     stale = []
     for path in args.files:
         text = path.read_text(encoding="utf-8")

@@ -20,8 +20,11 @@ What is the learner's is never deleted: OUT/.handout-manifest.json records every
 SHA-256. A new handout replaces only files it wrote that are unchanged since; a file the learner changed (an edited
 notebook), or one of the same name that the tool never wrote, stops the run before anything is written, unless
 --force names it (or is given alone: every such file). Files of an earlier handout that the new one no longer holds
-are removed when unchanged, kept when changed. Each file is replaced atomically and the manifest is written even
-after a failure, so a failed run leaves every file that was there before.
+are removed when unchanged and of a kind this tool writes (a chapter, a file beside them, a solution, a data file),
+inside OUT (not through a folder linked elsewhere), and kept otherwise: a hand-edited manifest cannot make it delete a
+learner's file. Each file is replaced atomically, and before the first one is, the manifest lists both the old and
+the new SHA-256 of every file: a run killed or failed at any point leaves a folder that the next run accepts, and
+that run removes the temp files the killed one left.
 
 Why a hand-written stripper and not nbgrader's ClearSolutions: nbgrader 0.9.6 installs from the package registry
 with no server and no conflict with requirements.txt (pip's resolver keeps every pin), but it brings 6 packages into
@@ -40,6 +43,7 @@ from __future__ import annotations
 import argparse
 import ast
 import contextlib
+import glob
 import hashlib
 import json
 import os
@@ -51,7 +55,7 @@ from pathlib import Path
 
 import nbformat
 
-from minimind_lib.fileio import atomic_open
+from minimind_lib.fileio import TMP_PREFIX, atomic_open, explain
 from minimind_lib.paths import REPO_DIR
 
 BESIDE_NOTEBOOKS = ("exercise_checks.py", "lab_checks", "chat_box.py", "band_plot.py", "ddp_demo.py", "figures")
@@ -216,14 +220,17 @@ def _sha256(path: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def read_manifest(out: Path) -> dict[str, str]:
-    """The files an earlier handout wrote in `out` (path -> SHA-256); {} when there was none."""
+def read_manifest(out: Path) -> dict[str, set[str]]:
+    """The files an earlier handout wrote in `out`: path -> the SHA-256 (while a handout runs: the two) each file
+    may have; {} when there was none."""
     path = out / MANIFEST
     if not path.exists():
         return {}
     try:
         files = json.loads(path.read_text(encoding="utf-8"))["files"]
-        assert isinstance(files, dict) and all(isinstance(v, str) for v in files.values())
+        assert isinstance(files, dict), "'files' is not an object"
+        files = {rel: {sha} if isinstance(sha, str) else set(sha) for rel, sha in files.items()}
+        assert all(all(isinstance(h, str) for h in v) for v in files.values()), "a SHA-256 is not text"
         outside = [k for k in files if Path(k).is_absolute() or ".." in Path(k).parts]
         assert not outside, f"paths outside the folder: {outside[:3]}"  # never remove a file elsewhere
     except (ValueError, KeyError, TypeError, AssertionError) as e:
@@ -232,9 +239,28 @@ def read_manifest(out: Path) -> dict[str, str]:
     return files
 
 
-def _write_manifest(out: Path, files: dict[str, str]) -> None:
+def _write_manifest(out: Path, files: dict[str, set[str]]) -> None:
+    """The manifest, atomically: a file with one possible SHA-256 as text, with two (a handout under way) a list."""
+    listed = {rel: next(iter(h)) if len(h) == 1 else sorted(h) for rel, h in sorted(files.items())}
     with atomic_open(out / MANIFEST, "w", encoding="utf-8") as f:
-        json.dump({"written_by": "tools/handout.py", "files": dict(sorted(files.items()))}, f, indent=1)
+        json.dump({"written_by": "tools/handout.py", "files": listed}, f, indent=1)
+
+
+def generated(rel: str) -> bool:
+    """Whether `rel` is a kind of path this tool writes (a chapter, a file beside the chapters, a solution, a data
+    file): the only kind an earlier handout's manifest may have it remove."""
+    folder, _, rest = rel.partition("/")
+    chapter = re.fullmatch(r"\d\d_[\w-]+\.ipynb", rest) is not None
+    if folder in ("notebooks", "lab"):
+        return chapter or rest.split("/")[0] in BESIDE_NOTEBOOKS
+    if folder == "solutions":
+        return chapter or rest in BESIDE_SOLUTIONS
+    return folder == "data" and rest in DATA_FILES
+
+
+def _inside_out(out: Path, rel: str) -> bool:
+    """Whether out/rel, links resolved, lies in `out` (a folder linked elsewhere is not the handout's)."""
+    return (out / rel).resolve().is_relative_to(out.resolve())
 
 
 def _refuse_target(out: Path) -> None:
@@ -246,18 +272,22 @@ def _refuse_target(out: Path) -> None:
         raise HandoutError(f"{out} is a file, not a folder")
 
 
-def _blocked(out: Path, plan: dict, written: dict[str, str], force: bool | set[str]) -> list[str]:
-    """The handout's files that exist in `out` as someone else's (changed since written, or never written by it)."""
+def _blocked(out: Path, plan: dict, written: dict[str, set[str]], force: bool | set[str]) -> list[str]:
+    """The handout's files that exist in `out` as someone else's (changed since written, or never written by it),
+    and those whose folder links outside the handout."""
     problems = []
     for rel in plan:
         target = out / rel
+        if not _inside_out(out, str(Path(rel).parent)):
+            problems.append(f"  {rel}: its folder links outside {out}; the handout writes only inside it")
+            continue
         if not target.exists() and not target.is_symlink():
             continue
         if target.is_dir() or target.is_symlink():
             why = "is a folder or a link, not a file this tool wrote"
         elif rel not in written:
             why = "was not written by the handout (not in its manifest)"
-        elif _sha256(target) != written[rel]:
+        elif _sha256(target) not in written[rel]:
             why = "changed since the last handout"
         else:
             continue
@@ -266,38 +296,54 @@ def _blocked(out: Path, plan: dict, written: dict[str, str], force: bool | set[s
     return problems
 
 
+def _remove_own_temps(out: Path, names: list[str]) -> None:
+    """Delete the temp files a killed handout left (atomic_open's, named after the files it writes)."""
+    for rel in names:
+        folder, name = (out / rel).parent, Path(rel).name
+        for tmp in folder.glob(glob.escape(f"{TMP_PREFIX}{name}.") + "*.tmp") if folder.is_dir() else ():
+            tmp.unlink()
+
+
+def _write(target: Path, content: bytes | Path) -> None:
+    """One file of the plan, atomically."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_open(target, "wb") as f:
+        if isinstance(content, Path):
+            with open(content, "rb") as src:
+                shutil.copyfileobj(src, f)
+        else:
+            f.write(content)
+
+
 def make_handout(out: Path, notebook_dir: Path = REPO_DIR / "notebooks", data_dir: Path = REPO_DIR / "data",
                  force: bool | set[str] = frozenset()) -> dict[str, list[str]]:
-    """Write the handout into `out` by the rules above; return the files written per top-level folder."""
+    """Write the handout into `out` by the rules above; return the files written per top-level folder. Before it
+    writes a file the manifest names both its old and its new SHA-256, so that a kill at any point leaves a folder
+    the next run accepts (and whose temp files it removes)."""
     _refuse_target(out)
     plan, written = plan_handout(notebook_dir, data_dir), read_manifest(out)
     if problems := _blocked(out, plan, written, force):
         raise HandoutError(f"not overwriting {len(problems)} file(s) in {out}:\n" + "\n".join(problems) +
                            "\nnothing was written. Keep them by moving them elsewhere, or replace them with "
                            "`make handout FORCE=1` (all) or `python tools/handout.py --force FILE ...` (as listed).")
+    out.mkdir(parents=True, exist_ok=True)
+    _remove_own_temps(out, [*plan, MANIFEST])
+    new = {rel: _sha256(c) if isinstance(c, Path) else hashlib.sha256(c).hexdigest() for rel, c in plan.items()}
+    ours = {rel for rel in plan if (out / rel).is_file() and _sha256(out / rel) in written.get(rel, ())}
+    _write_manifest(out, {**written, **{rel: {new[rel]} | (written[rel] if rel in ours else set()) for rel in plan}})
     manifest, done = dict(written), {}
-    try:
-        for rel, content in plan.items():
-            target = out / rel
-            target.parent.mkdir(parents=True, exist_ok=True)
-            with atomic_open(target, "wb") as f:
-                if isinstance(content, Path):
-                    with open(content, "rb") as src:
-                        shutil.copyfileobj(src, f)
-                else:
-                    f.write(content)
-            manifest[rel] = _sha256(target)
-            done.setdefault(rel.split("/")[0], []).append(rel)
-        for rel in sorted(set(written) - set(plan)):  # an earlier handout's file that this one no longer has
-            target = out / rel
-            if target.is_file() and not target.is_symlink() and _sha256(target) == written[rel]:
-                target.unlink()
-            elif target.exists():
-                print(f"kept {target}: changed since the handout wrote it", file=sys.stderr)
-            del manifest[rel]
-    finally:
-        out.mkdir(parents=True, exist_ok=True)
-        _write_manifest(out, manifest)
+    for rel, content in plan.items():
+        _write(out / rel, content)
+        manifest[rel] = {_sha256(out / rel)}
+        done.setdefault(rel.split("/")[0], []).append(rel)
+    for rel in sorted(set(written) - set(plan)):  # an earlier handout's file that this one no longer has
+        target = out / rel
+        if generated(rel) and _inside_out(out, rel) and target.is_file() and _sha256(target) in written[rel]:
+            target.unlink()
+        elif target.exists():
+            print(f"kept {target}: changed since the handout wrote it, or not a file it writes", file=sys.stderr)
+        del manifest[rel]
+    _write_manifest(out, manifest)
     return done
 
 
@@ -456,8 +502,8 @@ def main(argv: list[str] | None = None) -> int:
     force: bool | set[str] = True if args.force == [] else {_inside(args.out, p) for p in args.force or ()}
     try:
         done = make_handout(args.out, force=force)
-    except (HandoutError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (HandoutError, ValueError, OSError) as e:  # OSError: a full disk, a read-only folder
+        print(f"error: {explain(e)}", file=sys.stderr)
         return 2
     for folder, paths in done.items():
         print(f"{args.out / folder}: {len(paths)} files")
