@@ -70,6 +70,10 @@ def _add_train_args(p: argparse.ArgumentParser, stage: str) -> None:
     p.add_argument("--max-tokens", type=POSITIVE, help="padded tokens per micro-batch (default: the profile's)")
     p.add_argument("--accum", dest="accum_steps", type=POSITIVE, help="micro-batches per step (default: the profile's)")
     p.add_argument("--amp", choices=("auto", "bf16", "fp16", "off"), default="auto", help="mixed precision (default: auto)")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction,
+                   help="torch.compile the model (default: the profile's)")
+    p.add_argument("--loss-chunk", type=NON_NEGATIVE,
+                   help="positions per chunk of the chunked loss (0: off; default: the profile's)")
     p.add_argument("--steps", type=POSITIVE, help="optimizer steps (default: the profile's)")
     p.add_argument("--lr", type=number(float, 0.0, low_ok=False), help="peak learning rate (default: the profile's)")
     p.add_argument("--seq-len", type=POSITIVE, help="longest sample in tokens (default: the profile's)")

@@ -215,15 +215,17 @@ class MemmapDataset(_TokenDataset):
 
 
 def pad_collate(samples: Sequence[dict], pad_id: int = 0, seq_len: int | None = None,
-                fixed: bool = False) -> dict[str, torch.Tensor]:
-    """(B, T) input_ids, labels (-100 on pads) and attention_mask of samples cut to seq_len, each row padded to
-    seq_len (fixed=True, MiniMind's way) or to the longest row of the batch (dynamic padding)."""
+                fixed: bool = False, multiple: int = 1) -> dict[str, torch.Tensor]:
+    """(B, T) input_ids, labels (-100 on pads) and attention_mask of samples cut to seq_len, each
+    row padded to seq_len (fixed=True, MiniMind's way) or to the longest row of the batch (dynamic
+    padding), rounded up to a multiple of `multiple` (a compiled model then sees a few row lengths,
+    not one per batch)."""
     if not samples:
         raise ValueError("pad_collate got an empty list of samples")
     if fixed and seq_len is None:
         raise ValueError("pad_collate(fixed=True) needs seq_len")
     rows = [(s["input_ids"][:seq_len], s.get("labels", s["input_ids"])[:seq_len]) for s in samples]
-    length = seq_len if fixed else max(len(ids) for ids, _ in rows)
+    length = seq_len if fixed else round_up(max(len(ids) for ids, _ in rows), multiple, seq_len)
     input_ids = torch.full((len(rows), length), int(pad_id), dtype=torch.long)
     labels = torch.full((len(rows), length), IGNORE_INDEX, dtype=torch.long)
     attention_mask = torch.zeros((len(rows), length), dtype=torch.long)
@@ -231,6 +233,13 @@ def pad_collate(samples: Sequence[dict], pad_id: int = 0, seq_len: int | None = 
         input_ids[r, :len(ids)], labels[r, :len(ids)] = torch.as_tensor(ids), torch.as_tensor(lab)
         attention_mask[r, :len(ids)] = 1
     return {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}
+
+
+def round_up(length: int, multiple: int, limit: int | None = None) -> int:
+    """`length` rounded up to a multiple of `multiple`, at most `limit` (when given, and not below
+    length)."""
+    rounded = -(-length // multiple) * multiple
+    return rounded if limit is None else max(length, min(rounded, limit))
 
 
 def padding_fraction(batch_lengths: Iterable[Sequence[int]], seq_len: int | None = None) -> float:

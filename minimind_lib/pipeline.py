@@ -74,6 +74,8 @@ class RunSettings:
     val_data: Any = None
     val_batches: int = 4
     amp: str = "auto"  # "auto" | "bf16" | "fp16" | "off"
+    compile: bool | None = None  # torch.compile the model's trunk (None: the profile's; not DDP)
+    loss_chunk: int | None = None  # positions per chunk of the chunked loss (0: off; not DDP)
     device: Any = None
     cache_dir: Any = None  # memmap cache (default: beside OUT)
     resume: bool = False
@@ -141,10 +143,11 @@ def resolve_settings(s: RunSettings, prof: Profile) -> RunSettings:
         max_samples=prof.max_samples if s.max_samples is None else (s.max_samples or None),
         data=Path(s.data) if s.data is not None else find_data_file(s.stage),
         sample_every=given(s.sample_every, max(eval_every, -(-steps // 4))),
-        sample_prompts=tuple(DEFAULT_SAMPLE_PROMPTS if s.sample_prompts is None else s.sample_prompts))
+        sample_prompts=tuple(given(s.sample_prompts, DEFAULT_SAMPLE_PROMPTS)),
+        compile=given(s.compile, prof.compile), loss_chunk=given(s.loss_chunk, prof.loss_chunk))
     for name, low in (("seq_len", 1), ("max_tokens", 1), ("accum_steps", 1), ("steps", 1), ("eval_every", 1),
                       ("ckpt_every", 1), ("val_batches", 1), ("max_samples", 0), ("stop_after", 1),
-                      ("sample_every", 0)):
+                      ("sample_every", 0), ("loss_chunk", 0)):
         value = getattr(s if name == "max_samples" else r, name)  # r.max_samples: None means "all"
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
             raise RunError(f"{name}={value!r}: must be an integer >= {low}")
@@ -162,7 +165,7 @@ def train_config(s: RunSettings) -> TrainConfig:
     log_every = math.gcd(CHECK_EVERY, s.eval_every, s.ckpt_every, s.sample_every or 0, s.stop_after or 0)
     return TrainConfig(lr=s.lr, max_steps=s.steps, accum_steps=s.accum_steps, warmup_steps=max(1, s.steps // 10),
                        amp=s.amp, eval_every=s.eval_every, ckpt_every=s.ckpt_every, ckpt_dir=str(s.out), seed=s.seed,
-                       progress=s.progress, log_every=log_every)
+                       progress=s.progress, log_every=log_every, loss_chunk=s.loss_chunk)
 
 
 # ----------------------------------------------------------------------------------- checks before writing
@@ -202,6 +205,7 @@ def _run_config(s: RunSettings, prof: Profile, preset: str | None, mcfg: MiniMin
             "max_samples": s.max_samples, "batching": "token_budget", "long_docs": LONG_DOCS_BY_KIND[s.stage],
             "init": str(Path(s.init).resolve()) if s.init else None, "device": str(device),
             "amp": {"mode": s.amp, "resolved": amp.name, "reason": amp.reason}, "torch": torch.__version__,
+            "compile": {"trunk": s.compile, "row_multiple": prof.row_multiple if s.compile else 1},
             **({"world_size": dinfo.world_size} if dinfo is not None else {})}
 
 
@@ -220,14 +224,19 @@ def train_steps(ds: Any, s: RunSettings, dinfo: Any = None):
     return TokenBudgetSteps(ds, sampler, s.accum_steps)
 
 
-def make_controller(device: torch.device, max_tokens: int, seq_len: int, pad_id: int) -> AdaptiveBatchController:
-    """Notebook 06's controller: on CUDA and MPS its memory checks read MemoryMeter.peak_in_use (what an OOM depends
-    on) against the device's memory, elsewhere OOM recovery only (a CPU's RAM has no limit a process sees coming)."""
+def make_controller(device: torch.device, max_tokens: int, seq_len: int, pad_id: int,
+                    row_multiple: int = 1) -> AdaptiveBatchController:
+    """Notebook 06's controller: on CUDA and MPS its memory checks read MemoryMeter.peak_in_use
+    (what an OOM depends on) against the device's memory, elsewhere OOM recovery only (a CPU's RAM
+    has no limit a process sees coming); rows padded to a multiple of row_multiple (a compiled
+    model's few shapes)."""
     meter = MemoryMeter(device) if device.type in ("cuda", "mps") else None
     if meter is not None:
         meter.budget_bytes = total_memory_bytes(device)  # the checks' threshold only; the allocator keeps its limit
     return AdaptiveBatchController(max_tokens=max_tokens, seq_len=seq_len, meter=meter, check_every=CHECK_EVERY,
-                                   collate_fn=partial(pad_collate, pad_id=pad_id), pin_memory=device.type == "cuda")
+                                   collate_fn=partial(pad_collate, pad_id=pad_id,
+                                                      multiple=row_multiple),
+                                   pin_memory=device.type == "cuda", row_multiple=row_multiple)
 
 
 def _datasets(s: RunSettings, tok: Any, dinfo: Any, log: Callable[[str], None]) -> tuple[Any, list | None, int | None]:
@@ -408,6 +417,8 @@ def _run(s: RunSettings, dinfo: Any = None) -> RunResult:
     prof = s.profile if isinstance(s.profile, Profile) else get_profile(s.profile)
     device = dinfo.device if dinfo is not None else get_device(s.device)
     s = resolve_settings(s, prof)
+    if dinfo is not None:  # DDP syncs gradients through its wrapper's forward: the model as written
+        s = replace(s, compile=False, loss_chunk=0)
     tok, mcfg, preset, init_state = _inputs(s, prof, device)
     out = Path(s.out)
     with exclusive_dir(out) if main else contextlib.nullcontext(), contextlib.ExitStack() as stack:
@@ -425,11 +436,17 @@ def _run(s: RunSettings, dinfo: Any = None) -> RunResult:
         if n_held_out is not None:
             run_cfg["sft_val_holdout"] = n_held_out
         # 3. the controller (under DDP every rank would have to agree on each change of size: none)
-        controller = None if dinfo is not None else make_controller(device, s.max_tokens, s.seq_len, tok.pad_token_id)
+        controller = None
+        if dinfo is None:
+            multiple = prof.row_multiple if s.compile else 1  # compiled: a few row lengths
+            controller = make_controller(device, s.max_tokens, s.seq_len, tok.pad_token_id,
+                                         multiple)
         torch.manual_seed(s.seed)  # the same seed, the same initial weights
         model = MiniMindForCausalLM(mcfg)
         if init_state is not None:
             model.load_state_dict(init_state)
+        if s.compile:  # the trunk (norms, RoPE, SwiGLU fused); the chunked loss stays eager
+            model.model.compile()
         if main:  # a resumed run that never checkpointed starts afresh (same settings, checked above)
             start_run_dir(out, run_cfg, tok, saved_state is not None)
         start_step = int(saved_state["step"]) if saved_state is not None else 0
