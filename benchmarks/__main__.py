@@ -1,4 +1,5 @@
-"""Dispatch `python -m benchmarks NAME [args]` to benchmarks/NAME.py."""
+"""Dispatch `python -m benchmarks NAME [args]` to benchmarks/NAME.py; a bad argument or input exits 2 with one
+`error: ...` line."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pkgutil
 import sys
 
 import benchmarks as bench_pkg
+from minimind_lib.fileio import explain
 
 
 def available() -> list[str]:
@@ -30,7 +32,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     as_json = "--json" in rest
     rest = [a for a in rest if a != "--json"]
-    result = importlib.import_module(f"benchmarks.{name}").main(rest)
+    try:
+        result = importlib.import_module(f"benchmarks.{name}").main(rest)
+    except (ValueError, OSError, RuntimeError) as e:  # a bad argument or input: one line, as the CLI's
+        print(f"error: {explain(e)}", file=sys.stderr)
+        return 2
     if as_json:
         print(json.dumps(result))
     else:

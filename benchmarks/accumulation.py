@@ -20,7 +20,8 @@ from minimind_lib.device import get_device, synchronize
 from minimind_lib.memory import MemoryMeter
 from minimind_lib.model import MiniMindConfig, MiniMindForCausalLM
 from minimind_lib.paths import DATA_DIR
-from minimind_lib.profiles import get_profile
+from minimind_lib.cli import POSITIVE
+from minimind_lib.profiles import PROFILES, get_profile
 from minimind_lib.tokenizer import load_tokenizer
 from minimind_lib.train import TrainConfig, accumulate_step, build_optimizer, resolve_amp
 
@@ -88,17 +89,17 @@ def measure_step_peak(model: nn.Module, micro_batches: Sequence[dict], *, device
 def main(argv: list[str]) -> dict:
     """Run the benchmark; return its JSON-ready result."""
     ap = argparse.ArgumentParser(prog="python -m benchmarks accumulation")
-    ap.add_argument("--profile", default=None, help="smoke | cpu | gpu (default: the selected profile)")
+    ap.add_argument("--profile", default=None, choices=sorted(PROFILES), help="default: the selected profile")
     ap.add_argument("--device", default=None, help="cpu | cuda | mps (default: the best available)")
-    ap.add_argument("--batch", type=int, default=None, help="rows of the big batch (default: profile.batch_size x k)")
-    ap.add_argument("--k", type=int, default=None, help="micro-batches (default: profile.accum_steps)")
+    ap.add_argument("--batch", type=POSITIVE, default=None, help="rows of the big batch (default: profile.batch_size x k)")
+    ap.add_argument("--k", type=POSITIVE, default=None, help="micro-batches (default: profile.accum_steps)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
 
     profile = get_profile(args.profile)
     device = get_device(args.device)
-    k = args.k or profile.accum_steps
-    batch = args.batch or profile.batch_size * k
+    k = profile.accum_steps if args.k is None else args.k
+    batch = profile.batch_size * k if args.batch is None else args.batch
     if batch % k:
         raise ValueError(f"--batch {batch} is not a multiple of --k {k}")
     torch.manual_seed(args.seed)

@@ -39,7 +39,8 @@ from minimind_lib.device import describe, get_device, synchronize
 from minimind_lib.memory import MemoryMeter
 from minimind_lib.model import MiniMindConfig, MiniMindForCausalLM
 from minimind_lib.paths import DATA_DIR
-from minimind_lib.profiles import get_profile
+from minimind_lib.cli import POSITIVE
+from minimind_lib.profiles import PROFILES, get_profile
 from minimind_lib.tokenizer import load_tokenizer
 from minimind_lib.train import TrainConfig, accumulate_step, build_optimizer, evaluate, fit, lr_at, resolve_amp
 
@@ -288,22 +289,22 @@ def measure(kind: str, profile, model, device, n_batches: int, seed: int = 0, to
 def main(argv: list[str] | None = None) -> dict:
     """Run the batching benchmark and return its JSON-ready result."""
     p = argparse.ArgumentParser(prog="python -m benchmarks batching", description=__doc__.splitlines()[0])
-    p.add_argument("--profile", default=None, help="smoke | cpu | gpu (default: MINIMIND_PROFILE / auto)")
+    p.add_argument("--profile", default=None, choices=sorted(PROFILES), help="default: MINIMIND_PROFILE / auto")
     p.add_argument("--data", default="pretrain", choices=["pretrain", "sft", "both"])
-    p.add_argument("--batches", type=int, default=None, help="timed micro-batches per strategy")
-    p.add_argument("--oom-steps", type=int, default=4, help="optimizer steps under the tight budget")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--batches", type=POSITIVE, default=None, help="timed micro-batches per strategy")
+    p.add_argument("--oom-steps", type=POSITIVE, default=4, help="optimizer steps under the tight budget")
+    p.add_argument("--threads", type=POSITIVE, default=None, help="torch CPU threads")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-samples", type=int, default=None, help="cap on samples read (default: the profile's)")
+    p.add_argument("--max-samples", type=POSITIVE, default=None, help="cap on samples read (default: the profile's)")
     args = p.parse_args(argv or [])
 
     profile = get_profile(args.profile)
-    if args.max_samples:
+    if args.max_samples is not None:
         profile = replace(profile, max_samples=args.max_samples)
-    if args.threads:
+    if args.threads is not None:
         torch.set_num_threads(args.threads)
     device = get_device()
-    n_batches = args.batches or {"smoke": 3, "cpu": 10}.get(profile.name, 20)
+    n_batches = {"smoke": 3, "cpu": 10}.get(profile.name, 20) if args.batches is None else args.batches
     torch.manual_seed(args.seed)
     config = MiniMindConfig.preset(profile.model)
     model = MiniMindForCausalLM(config)

@@ -28,7 +28,8 @@ from minimind_lib.data import PretrainDataset
 from minimind_lib.device import get_device
 from minimind_lib.fileio import file_fingerprint
 from minimind_lib.paths import DATA_DIR
-from minimind_lib.profiles import get_profile
+from minimind_lib.cli import NON_NEGATIVE, POSITIVE, number
+from minimind_lib.profiles import PROFILES, get_profile
 from minimind_lib.tokenizer import load_tokenizer
 
 
@@ -87,6 +88,8 @@ def _child(side: str, args: dict, queue) -> None:
             ds = PretrainDataset(args["data"], tok, args["seq_len"], lazy=True, max_samples=args["max_samples"])
             out["build_s"] = time.perf_counter() - t0  # reading the texts into memory
         out["n_samples"] = len(ds)
+        if not len(ds):
+            raise ValueError(f"{args['data']}: no samples to read")
         tokens, read_s, anon_read = _read(ds, range(len(ds)))
         rng = np.random.default_rng(0)
         r_tokens, r_s, anon_rand = _read(ds, rng.integers(0, len(ds), args["random_reads"]))
@@ -132,20 +135,20 @@ def main(argv: list[str]) -> dict:
     p = argparse.ArgumentParser(prog="python -m benchmarks memmap", description=__doc__.split("\n")[0])
     p.add_argument("--data", default=str(DATA_DIR / "pretrain.jsonl"), help="a pretrain jsonl file")
     p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the bundled one)")
-    p.add_argument("--profile", default=None, help="smoke|cpu|gpu (default: MINIMIND_PROFILE / auto)")
-    p.add_argument("--max-samples", type=int, default=None, help="cap on samples (default: the profile's)")
-    p.add_argument("--seq-len", type=int, default=None, help="default: the profile's seq_len")
-    p.add_argument("--num-workers", type=int, default=None, help="tokenize_to_memmap workers (default: the library's rule)")
-    p.add_argument("--random-reads", type=int, default=1000)
-    p.add_argument("--hash-bytes", type=int, default=10**9, help="size of the file file_fingerprint hashes (1 GB)")
+    p.add_argument("--profile", default=None, choices=sorted(PROFILES), help="default: MINIMIND_PROFILE / auto")
+    p.add_argument("--max-samples", type=POSITIVE, default=None, help="cap on samples (default: the profile's)")
+    p.add_argument("--seq-len", type=number(int, 2), default=None, help="default: the profile's seq_len")
+    p.add_argument("--num-workers", type=NON_NEGATIVE, default=None, help="tokenize_to_memmap workers (default: the library's rule)")
+    p.add_argument("--random-reads", type=POSITIVE, default=1000)
+    p.add_argument("--hash-bytes", type=POSITIVE, default=10**9, help="size of the file file_fingerprint hashes (1 GB)")
     a = p.parse_args(argv)
     profile = get_profile(a.profile)
+    if not os.path.isfile(a.data):  # before the temporary folder and the worker processes
+        raise FileNotFoundError(f"benchmark data not found: {a.data} (pass --data)")
     with tempfile.TemporaryDirectory(prefix="minimind-bench-memmap-") as tmp:
         args = {"data": a.data, "tokenizer": a.tokenizer, "tmp": tmp, "num_workers": a.num_workers,
                 "max_samples": a.max_samples if a.max_samples is not None else profile.max_samples,
-                "seq_len": a.seq_len or profile.seq_len, "random_reads": a.random_reads}
-        if not os.path.isfile(args["data"]):
-            raise FileNotFoundError(f"benchmark data not found: {args['data']} (pass --data)")
+                "seq_len": profile.seq_len if a.seq_len is None else a.seq_len, "random_reads": a.random_reads}
         mm = _run_side("memmap", args)
         gi = _run_side("getitem", args)
         hashing = _hash_cost(a.hash_bytes, tmp)

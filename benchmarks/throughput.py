@@ -51,6 +51,7 @@ import gc
 import importlib.util
 import math
 import os
+import re
 import shutil
 import statistics
 import time
@@ -67,12 +68,12 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader
 
 from minimind_lib.batching import TokenBudgetBatchSampler, collate_packed, document_mask, pack_sequences
-from minimind_lib.data import IGNORE_INDEX, PretrainDataset, pad_collate, trained_tokens
-from minimind_lib.device import device_name, get_device, synchronize
-from minimind_lib.memory import MemoryMeter
-from minimind_lib.model import MiniMindConfig, MiniMindForCausalLM, count_parameters, lm_loss
+from minimind_lib.data import IGNORE_INDEX, PretrainDataset, pad_collate, round_up, trained_tokens
+from minimind_lib.device import device_name, get_device, synchronize, total_memory_bytes
+from minimind_lib.memory import MemoryMeter, plan_micro_batches
+from minimind_lib.model import MiniMindConfig, MiniMindForCausalLM, chunked_lm_loss, count_parameters, lm_loss
 from minimind_lib.paths import DATA_DIR
-from minimind_lib.profiles import get_profile
+from minimind_lib.profiles import PROFILES, get_profile
 from minimind_lib.tokenizer import load_tokenizer
 from minimind_lib.train import (TrainConfig, accumulate_step, build_optimizer, forward_logits, lr_at, optimizer_step,
                                 resolve_amp)
@@ -82,10 +83,17 @@ STRATEGIES = ("budget", "pack")
 LEVERS = ("fused_adamw", "sdpa_backend", "chunked_cross_entropy", "activation_checkpointing", "torch_compile",
           "pinned_memory", "dataloader_workers")
 FLOPS_FORMULA = "6*N + 12*L*d*T (PaLM); N = all parameters counted once (tied embedding = lm_head matmul)"
-# Datasheet dense (no sparsity) tensor-core peaks, FLOP/s, in the dtype named: H100/H200 SXM and A100 bf16, RTX 4090 and
-# 3090 bf16 with fp32 accumulation, T4 fp16 (it has no bf16). Matched by substring of torch.cuda.get_device_name.
-SPEC_PEAK_FLOPS = (("H100", 989e12, "bf16"), ("H200", 989e12, "bf16"), ("A100", 312e12, "bf16"),
-                   ("RTX 4090", 165e12, "bf16"), ("RTX 3090", 71e12, "bf16"), ("T4", 65e12, "fp16"))
+# Datasheet dense (no sparsity) tensor-core peaks, FLOP/s, in the dtype named (bf16 with fp32 accumulation; T4: fp16,
+# it has no bf16), matched as whole words of torch.cuda.get_device_name, the first match wins (so "H100 PCIe" before
+# "H100", "RTX 5070 Ti" before "RTX 5070", and "L4" is not "L40S"). GeForce cards and the A10G accumulate fp32 at half
+# the fp16-accumulate rate: their figure is that half (RTX 50: SMs x boost clock x 512, the whitepaper's 209.5 for a
+# 5090).
+SPEC_PEAK_FLOPS = (("H100 PCIe", 756e12, "bf16"), ("H100 NVL", 835e12, "bf16"), ("H100", 989e12, "bf16"),
+                   ("H200 NVL", 835e12, "bf16"), ("H200", 989e12, "bf16"), ("A100", 312e12, "bf16"),
+                   ("L40S", 362e12, "bf16"), ("L4", 121e12, "bf16"), ("A10G", 70e12, "bf16"), ("A10", 125e12, "bf16"),
+                   ("RTX 5090", 209.5e12, "bf16"), ("RTX 5080", 112.6e12, "bf16"), ("RTX 5070 Ti", 87.9e12, "bf16"),
+                   ("RTX 5070", 61.7e12, "bf16"), ("RTX 5060 Ti", 47.4e12, "bf16"), ("RTX 4090", 165e12, "bf16"),
+                   ("RTX 3090", 71e12, "bf16"), ("T4", 65e12, "fp16"))
 
 
 # --------------------------------------------------------------------------------------------- arguments
@@ -94,7 +102,7 @@ SPEC_PEAK_FLOPS = (("H100", 989e12, "bf16"), ("H200", 989e12, "bf16"), ("A100", 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     """The benchmark's arguments; defaults come from the profile."""
     p = argparse.ArgumentParser(prog="python -m benchmarks throughput", description=__doc__.splitlines()[0])
-    p.add_argument("--profile", default=None, help="profile name (default: MINIMIND_PROFILE or auto)")
+    p.add_argument("--profile", default=None, choices=sorted(PROFILES), help="default: MINIMIND_PROFILE or auto")
     p.add_argument("--config", default=None, help="model preset (default: the profile's)")
     p.add_argument("--seq", type=int, default=None, help="max row length in tokens (default: profile.seq_len)")
     p.add_argument("--batch", type=int, default=None, help="baseline rows per micro-batch (default: profile.batch_size)")
@@ -108,7 +116,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--baseline", action="store_true", help="also time MiniMind's recipe on the same samples")
     p.add_argument("--ablation", action="store_true",
                    help="time the recipe-to-ours ladder instead: padding, dtype and optimizer separated (run_ablation)")
-    p.add_argument("--compile", action="store_true", help="torch.compile our model (falls back to eager if unavailable)")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="torch.compile our model's trunk, rows bucketed (default: the profile's; eager if unavailable)")
+    p.add_argument("--loss-chunk", type=int, default=None,
+                   help="our chunked linear + cross-entropy, positions per chunk (default: the profile's; 0: off)")
     p.add_argument("--fused", default="auto", choices=("auto", "on", "off"),
                    help="our AdamW: auto = fused where this torch supports it on the device")
     p.add_argument("--levers", action="store_true", help="measure the speed/memory levers instead (see run_levers)")
@@ -167,24 +178,15 @@ def micro_batch_tokens(micro_batches: Sequence[dict]) -> int:
                for mb in micro_batches)
 
 
-def _pad_to_multiple(mb: dict, multiple: int | None, pad_id: int) -> dict:
-    """Right-pad a collated micro-batch's rows to a multiple of `multiple` tokens (pads: label -100, mask 0)."""
-    extra = -mb["input_ids"].shape[1] % multiple if multiple else 0
-    if not extra:
-        return mb
-    fill = {"input_ids": pad_id, "labels": IGNORE_INDEX, "attention_mask": 0}
-    return {k: F.pad(v, (0, extra), value=fill[k]) for k, v in mb.items()}
-
-
 def ours_micro_batches(samples: Sequence[dict], seq_len: int, max_tokens: int, strategy: str, pad_id: int,
                        pad_multiple: int | None = None) -> list[dict]:
     """Our micro-batches of one optimizer step's samples: token-budget groups or packed rows."""
-    if strategy == "budget":
-        lengths = [int(s["input_ids"].numel()) for s in samples]
+    if strategy == "budget":  # each row counted at its length rounded up to pad_multiple, as it is padded
+        lengths = [round_up(int(s["input_ids"].numel()), pad_multiple or 1, seq_len) for s in samples]
         sampler = TokenBudgetBatchSampler(lengths, max_tokens, shuffle=False, seq_len=seq_len)
         out = []
         for idx in sampler.batches():
-            mb = _pad_to_multiple(pad_collate([samples[i] for i in idx], pad_id, seq_len), pad_multiple, pad_id)
+            mb = pad_collate([samples[i] for i in idx], pad_id, seq_len, multiple=pad_multiple or 1)
             # Right padding + causal attention: no real token can see a pad, and pads carry label -100, so the
             # padding mask changes nothing we train on; without it SDPA keeps its fast is_causal kernels.
             mb.pop("attention_mask")
@@ -231,7 +233,8 @@ def doc_attention(device: torch.device) -> str:
 
 def spec_peak(name: str) -> tuple[float | None, str | None]:
     """(FLOP/s, dtype) of a device named `name` from SPEC_PEAK_FLOPS, or (None, None) for a CPU or an unknown GPU."""
-    return next(((flops, dtype) for key, flops, dtype in SPEC_PEAK_FLOPS if key in name), (None, None))
+    found = (row for row in SPEC_PEAK_FLOPS if re.search(rf"\b{re.escape(row[0])}\b", name))
+    return next(((flops, dtype) for _, flops, dtype in found), (None, None))
 
 
 def ratio_stats(name: str, ratios: Sequence[float]) -> dict:
@@ -295,9 +298,10 @@ class OursRecipe:
     """The library's recipe for one model: exact token-weighted accumulation, resolve_amp, AdamW, clipping."""
 
     def __init__(self, model: nn.Module, device: torch.device, lr: float, total_steps: int, fused: str = "auto",
-                 amp: str = "auto"):
+                 amp: str = "auto", loss_chunk: int = 0):
         self.model, self.device = model, device
-        self.cfg = TrainConfig(lr=lr, max_steps=max(1, total_steps), warmup_steps=1, progress=False, amp=amp)
+        self.cfg = TrainConfig(lr=lr, max_steps=max(1, total_steps), warmup_steps=1, progress=False, amp=amp,
+                               loss_chunk=loss_chunk)
         self.amp = resolve_amp(self.cfg.amp, device, model.config.hidden_size)
         self.scaler = torch.amp.GradScaler(device.type) if self.amp.use_scaler else None
         self.optimizer, self.optimizer_impl = make_optimizer(model, self.cfg, device, fused)
@@ -312,7 +316,7 @@ class OursRecipe:
         for g in self.optimizer.param_groups:
             g["lr"] = lr
         stats = accumulate_step(self.model, micro_batches, amp_dtype=self.amp.dtype, scaler=self.scaler,
-                                device=self.device, sync=False)
+                                device=self.device, sync=False, loss_chunk=self.cfg.loss_chunk)
         optimizer_step(self.optimizer, self.params, self.cfg.grad_clip, self.scaler, stats["loss_sum"])
         self.step += 1
         return stats
@@ -383,15 +387,25 @@ def _setup(args: argparse.Namespace):
     max_samples = args.max_samples if args.max_samples is not None else profile.max_samples
     samples, data_info = load_samples(data, tok, seq, per_step * args.steps, max_samples=max_samples, seed=args.seed)
     groups = [samples[i * per_step:(i + 1) * per_step] for i in range(args.steps)]
-    pad_multiple = 8 if device.type == "cuda" else None  # tensor cores like multiples of 8; a CPU does not care
-    ours = [ours_micro_batches(g, seq, max_tokens, args.strategy, tok.pad_token_id, pad_multiple) for g in groups]
+    speed = speed_settings(args, profile, device, seq)
+    ours = [ours_micro_batches(g, seq, max_tokens, args.strategy, tok.pad_token_id, speed["row_multiple"])
+            for g in groups]
     base = [baseline_micro_batches(g, seq, batch, tok.pad_token_id) for g in groups]
     for i, (o, b) in enumerate(zip(ours, base)):
         n_o, n_b = micro_batch_tokens(o), micro_batch_tokens(b)
         if args.strategy == "budget" and n_o != n_b:  # same samples, same shift: must train the same tokens
             raise RuntimeError(f"step {i}: ours trains {n_o} tokens, the baseline {n_b}; the batching lost tokens")
     return dict(profile=profile, device=device, preset=preset, config=config, seq=seq, batch=batch, accum=accum,
-                max_tokens=max_tokens, tok=tok, groups=groups, ours=ours, base=base, data_info=data_info)
+                max_tokens=max_tokens, tok=tok, groups=groups, ours=ours, base=base, data_info=data_info, **speed)
+
+
+def speed_settings(args: argparse.Namespace, profile, device: torch.device, seq: int) -> dict:
+    """compile, loss_chunk and row_multiple of our recipe: the flags, else the profile's. Compiled, rows are padded
+    to the profile's row_multiple (a few shapes); eager, to 8 on CUDA (tensor cores), not at all on a CPU."""
+    compiled = profile.compile if args.compile is None else args.compile
+    eager_multiple = 8 if device.type == "cuda" else None  # tensor cores like multiples of 8; a CPU does not care
+    return {"compile": compiled, "loss_chunk": profile.loss_chunk if args.loss_chunk is None else args.loss_chunk,
+            "row_multiple": profile.row_multiple if compiled else eager_multiple}
 
 
 def _new_model(config, device: torch.device, seed: int) -> nn.Module:
@@ -420,11 +434,10 @@ def run_throughput(args: argparse.Namespace) -> dict:
     base_model = copy.deepcopy(model) if args.baseline else None  # same initial weights for both recipes
 
     total_steps = args.steps * (args.repeats + 1)
-    ours = OursRecipe(model, device, profile.lr, total_steps, args.fused)
-    compile_status = "off"
-    if args.compile:
-        compiled, compile_status = try_compile(model, device, dynamic=True if args.strategy == "budget" else None)
-        ours.model = compiled
+    ours = OursRecipe(model, device, profile.lr, total_steps, args.fused, loss_chunk=s["loss_chunk"])
+    compile_status, trunk = "off", model.model
+    if s["compile"]:  # the trunk, as pipeline.pretrain compiles it (the chunked loss stays eager)
+        model.model, compile_status = try_compile(trunk, device)
 
     def run_ours() -> None:
         for mbs in s["ours"]:
@@ -451,7 +464,7 @@ def run_throughput(args: argparse.Namespace) -> dict:
         if compile_status != "compiled":
             raise
         compile_status = f"compile unavailable: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
-        ours.model = model
+        model.model = trunk
         ours.optimizer.zero_grad(set_to_none=True)
         ours.train_step(s["ours"][0])
     warmup_s = time.perf_counter() - t0
@@ -485,6 +498,7 @@ def run_throughput(args: argparse.Namespace) -> dict:
         "steps": args.steps, "repeats": args.repeats, "strategy": args.strategy,
         "threads": torch.get_num_threads() if device.type == "cpu" else None,
         "amp": ours.amp.name, "optimizer": f"AdamW ({ours.optimizer_impl})", "compile": compile_status,
+        "loss_chunk": s["loss_chunk"], "row_multiple": s["row_multiple"],
         "warmup_seconds": round(warmup_s, 3),
         "tokens_per_s": tokens / t_ours,
         "trained_tokens_per_repeat": tokens,
@@ -536,33 +550,6 @@ def run_throughput(args: argparse.Namespace) -> dict:
 
 
 # --------------------------------------------------------------------------------------------- levers
-
-
-def chunked_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_tokens: int = 2048,
-                    reduction: str = "sum") -> torch.Tensor:
-    """lm_head + shifted fp32 cross-entropy without materialising the (B, T, V) logits.
-
-    Only positions with a trained next token go through the head; they are processed `chunk_tokens` at a
-    time under activation checkpointing, so at most one chunk's logits (and their gradient) live at once.
-    Equal to model.lm_loss(hidden @ weight.T, labels, reduction) up to float rounding.
-    """
-    if reduction not in ("sum", "mean"):
-        raise ValueError(f"reduction must be 'sum' or 'mean', got {reduction!r}")
-    if chunk_tokens < 1:
-        raise ValueError(f"chunk_tokens={chunk_tokens} must be >= 1")
-    h = hidden[:, :-1].reshape(-1, hidden.shape[-1])
-    y = labels[:, 1:].reshape(-1)
-    keep = (y != IGNORE_INDEX).nonzero().squeeze(1)
-    h, y = h.index_select(0, keep), y.index_select(0, keep)
-
-    def piece(h_chunk: torch.Tensor, y_chunk: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(F.linear(h_chunk, weight).float(), y_chunk, reduction="sum")
-
-    total = hidden.new_zeros((), dtype=torch.float32)
-    for start in range(0, h.shape[0], chunk_tokens):
-        total = total + checkpoint(piece, h[start:start + chunk_tokens], y[start:start + chunk_tokens],
-                                   use_reentrant=False)
-    return total / max(1, y.numel()) if reduction == "mean" else total
 
 
 def enable_activation_checkpointing(model: nn.Module, n_layers: int | None = None) -> int:
@@ -716,11 +703,11 @@ def run_levers(args: argparse.Namespace) -> dict:
                     "(it forces an explicit-mask kernel)",
         }
 
-    # 3. chunked cross-entropy: peak memory and time of the head+loss, full logits vs chunks.
+    # 3. chunked linear + cross-entropy (model.chunked_lm_loss): peak memory and time, full logits vs chunks.
     if want("chunked_cross_entropy"):
-        def chunked_loss(m, mb, chunk=max(256, s["seq"] * 4)):
+        def chunked_loss(m, mb, chunk=s["loss_chunk"] or max(256, s["seq"] * 4)):
             h, _ = m.model(mb["input_ids"])
-            return chunked_lm_loss(h, m.lm_head.weight, mb["labels"], chunk_tokens=chunk)
+            return chunked_lm_loss(h, m.lm_head.weight, mb["labels"], chunk)
 
         with torch.no_grad():
             dev_mb = {k: v.to(device) for k, v in full_mb.items()}
@@ -738,8 +725,9 @@ def run_levers(args: argparse.Namespace) -> dict:
             "peak_memory_ratio_chunked_vs_full": mem_chunk / mem_full if mem_full > 0 else None,
             "loss_rel_diff": abs(got - ref) / max(abs(ref), 1e-12),
             "micro_batch_shape": list(full_mb["input_ids"].shape),
-            "note": "forward+backward of a MiniMind-size micro-batch (batch x seq); chunked = only trained positions "
-                    "through the 6400-way head, a few thousand at a time, recomputed in backward",
+            "loss_chunk": s["loss_chunk"] or max(256, s["seq"] * 4),
+            "note": "forward+backward of a MiniMind-size micro-batch (batch x seq); chunked = the head and the loss "
+                    "loss_chunk positions at a time, their gradients made in the forward (model.chunked_lm_loss)",
         }
 
     # 4. activation checkpointing: time and peak memory for 0, half, all blocks recomputed.
@@ -822,27 +810,72 @@ ABLATION = (  # (lever, what changes at this rung), from MiniMind's recipe to ou
     ("loop", "the library's loop (token-weighted accumulation, parameter groups), the recipe's rows, dtype, AdamW"),
     ("padding", "token-budget micro-batches (or packed rows) instead of rows padded to seq"),
     ("dtype", "train.resolve_amp's autocast instead of the recipe's (fp16 + GradScaler on CUDA, fp32 on CPU)"),
-    ("optimizer", "fused AdamW (also skips a NaN/inf step on the device) instead of torch's default"))
+    ("optimizer", "fused AdamW (also skips a NaN/inf step on the device) instead of torch's default"),
+    ("chunked_loss", "the head and the loss loss_chunk positions at a time (model.chunked_lm_loss): no whole logits"),
+    ("micro_batch", "the step's rows in the fewest micro-batches memory.plan_micro_batches fits in 60% of the device"),
+    ("compile", "torch.compile of the trunk, rows padded to a multiple of row_multiple (a few shapes)"))
+
+
+def ablation_rungs(s: dict, args: argparse.Namespace, model: nn.Module) -> dict:
+    """Each rung's recipe and batches: MiniMind's, then ours one change at a time (ABLATION), from the same weights.
+    The recipe's rows (and the `loop` rung's) are each step's samples in order; ours are the same samples, all the
+    repeat's sorted into token-budget micro-batches (as the run's sampler sorts a megabatch), accum to a step."""
+    device, profile, batch, pad, seq = s["device"], s["profile"], s["batch"], s["tok"].pad_token_id, s["seq"]
+    recipe_amp = "fp16" if device.type == "cuda" else "off"  # MiniMind: torch.cuda.amp.autocast() on CUDA only
+    chunk = s["loss_chunk"] or profile.loss_chunk or 1024
+    eager_multiple, multiple = (8 if device.type == "cuda" else None), profile.row_multiple
+    amp = resolve_amp("auto", device, s["config"].hidden_size).name
+    rows, k = plan_micro_batches(s["config"], seq, batch * s["accum"], int(0.6 * total_memory_bytes(device)),
+                                 {"fp32": "off"}.get(amp, amp), chunk)
+    fixed = [[{k: v for k, v in pad_collate(g[i:i + batch], pad, seq, fixed=True).items() if k != "attention_mask"}
+              for i in range(0, len(g), batch)] for g in s["groups"]]
+    pool = [sample for g in s["groups"] for sample in g]  # ours: sorted across the repeat, as the run's sampler
+
+    def steps_of(max_tokens: int, per_step: int, pad_multiple: int | None) -> list[list[dict]]:
+        micro = ours_micro_batches(pool, seq, max_tokens, args.strategy, pad, pad_multiple)
+        return [micro[i:i + per_step] for i in range(0, len(micro), per_step)]
+    budget = steps_of(s["max_tokens"], s["accum"], eager_multiple)
+    planned, bucketed = steps_of(rows * seq, k, eager_multiple), steps_of(rows * seq, k, multiple)
+    total = args.steps * (args.repeats + 1)
+    rungs = {"recipe": (BaselineRecipe(copy.deepcopy(model), device, lr=profile.lr, accumulation_steps=s["accum"],
+                                       total_steps=total * s["accum"]), s["base"])}
+    for lever, amp_mode, fused, loss_chunk, batches in (
+            ("loop", recipe_amp, "off", 0, fixed), ("padding", recipe_amp, "off", 0, budget),
+            ("dtype", "auto", "off", 0, budget), ("optimizer", "auto", args.fused, 0, budget),
+            ("chunked_loss", "auto", args.fused, chunk, budget), ("micro_batch", "auto", args.fused, chunk, planned),
+            ("compile", "auto", args.fused, chunk, bucketed)):
+        rungs[lever] = (OursRecipe(copy.deepcopy(model), device, profile.lr, total, fused, amp_mode, loss_chunk),
+                        batches)
+    return {"rungs": rungs, "loss_chunk": chunk, "planned_rows_accum": [rows, k], "row_multiple": multiple}
 
 
 def run_ablation(args: argparse.Namespace) -> dict:
     """The recipe, then ours one lever at a time, timed in rotating order on the same samples from the same weights;
-    each lever's paired ratios (its rung's useful tokens/s over the previous rung's), and ours over the recipe."""
+    each lever's paired ratios (its rung's useful tokens/s over the previous rung's), and ours over the recipe.
+    The compile rung's warm-up (compilation, every step's shapes once) is timed apart and never in a repeat."""
     s = _setup(args)
-    device, config, profile, batch, pad = s["device"], s["config"], s["profile"], s["batch"], s["tok"].pad_token_id
-    recipe_amp = "fp16" if device.type == "cuda" else "off"  # MiniMind: torch.cuda.amp.autocast() on CUDA only
-    fixed = [[{k: v for k, v in pad_collate(g[i:i + batch], pad, s["seq"], fixed=True).items() if k != "attention_mask"}
-              for i in range(0, len(g), batch)] for g in s["groups"]]
-    model, total = _new_model(config, device, args.seed), args.steps * (args.repeats + 1)
-    rungs = {"recipe": (BaselineRecipe(copy.deepcopy(model), device, lr=profile.lr, accumulation_steps=s["accum"],
-                                       total_steps=total * s["accum"]), s["base"])}
-    for lever, amp, fused, batches in (("loop", recipe_amp, "off", fixed), ("padding", recipe_amp, "off", s["ours"]),
-                                       ("dtype", "auto", "off", s["ours"]), ("optimizer", "auto", args.fused, s["ours"])):
-        rungs[lever] = (OursRecipe(copy.deepcopy(model), device, profile.lr, total, fused, amp), batches)
+    device, config, profile, batch = s["device"], s["config"], s["profile"], s["batch"]
+    model = _new_model(config, device, args.seed)
+    ladder = ablation_rungs(s, args, model)
+    rungs = ladder["rungs"]
+    compiled = rungs["compile"][0].model
+    trunk = compiled.model
+    compiled.model, compile_status = try_compile(trunk, device)
     tokens = {name: sum(micro_batch_tokens(m) for m in batches) for name, (_, batches) in rungs.items()}
     run = {name: (lambda r=r, batches=batches: [r.train_step(mbs) for mbs in batches]) for name, (r, batches) in rungs.items()}
-    for name, (r, batches) in rungs.items():  # warm-up, untimed
-        r.train_step(batches[0])
+    peak = {name: peak_memory_of(lambda r=r, b=b: r.train_step(b[0]), device, r.model, r.optimizer, b[0])
+            if name != "compile" and not args.no_memory else None for name, (r, b) in rungs.items()}
+    warmup = {}
+    for name, (r, batches) in rungs.items():  # warm-up, untimed: one step, or (compile) every step's shapes
+        t0 = time.perf_counter()
+        try:
+            run[name]() if name == "compile" else r.train_step(batches[0])
+        except Exception as exc:  # noqa: BLE001 - a backend that cannot compile here: the rung runs eager, said so
+            compile_status = f"compile unavailable: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+            compiled.model = trunk
+            r.optimizer.zero_grad(set_to_none=True)
+            r.train_step(batches[0])
+        warmup[name] = time.perf_counter() - t0
     times: dict[str, list[float]] = {name: [] for name in rungs}
     names = list(rungs)
     for rep in range(args.repeats):
@@ -857,11 +890,20 @@ def run_ablation(args: argparse.Namespace) -> dict:
             "strategy": args.strategy, "rungs": names, "amp": {n: r.amp.name if hasattr(r, "amp") else r.amp_name
                                                                for n, (r, _) in rungs.items()},
             "optimizer": {n: getattr(r, "optimizer_impl", "default") for n, (r, _) in rungs.items()},
+            "loss_chunk": ladder["loss_chunk"], "micro_batch_rows_and_accum": ladder["planned_rows_accum"],
+            "micro_batches_per_step": {n: sum(map(len, b)) / len(b) for n, (_, b) in rungs.items()},
+            "padding_fraction": {n: 1 - tokens[n] / sum((mb["X"] if "X" in mb else mb["input_ids"]).numel()
+                                                        for m in b for mb in m) for n, (_, b) in rungs.items()},
+            "row_multiple": ladder["row_multiple"], "compile": compile_status,
+            "compile_warmup_seconds": round(warmup["compile"], 3), "peak_memory_bytes": peak,
             "trained_tokens_per_repeat": tokens, "levers": levers,
             "product_of_median_ratios": math.prod(v["ratio"] for v in levers.values()),
-            **ratio_stats("ratio_ours_vs_recipe", [a / b for a, b in zip(speed["optimizer"], speed["recipe"])]),
+            **ratio_stats("ratio_ours_vs_recipe", [a / b for a, b in zip(speed["compile"], speed["recipe"])]),
+            **ratio_stats("ratio_eager_ours_vs_recipe", [a / b for a, b in zip(speed["micro_batch"],
+                                                                               speed["recipe"])]),
             "note": "each lever's ratio is its rung's useful tokens/s over the previous rung's, paired within a "
-                    "repeat (rotating order); their product is ours over the recipe up to the spread of the runs"}
+                    "repeat (rotating order); their product is ours over the recipe up to the spread of the runs; "
+                    "compile_warmup_seconds: the compile rung's untimed first pass (compilation included)"}
 
 
 def main(argv: Sequence[str]) -> dict:

@@ -8,10 +8,12 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask
+from torch.nn.attention import flex_attention  # the module: tests stand in for create_block_mask
+from torch.nn.attention.flex_attention import BlockMask
 from torch.utils.data import Dataset, Sampler
 
-from .data import IGNORE_INDEX, pad_collate
+from .data import IGNORE_INDEX, pad_collate, round_up
+from .device import empty_cache
 
 
 def sort_megabatches(order: np.ndarray, lengths: np.ndarray, size: int) -> list[np.ndarray]:
@@ -171,17 +173,39 @@ def block_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
     return ((doc_ids[:, :, None] == doc_ids[:, None, :]) & causal)[:, None]
 
 
-def document_mask(doc_ids: torch.Tensor, kernel: str = "auto") -> torch.Tensor | BlockMask:
-    """The block-causal mask of (B, T) doc_ids on their device, the model's attention_mask: "flex", FlexAttention's
-    BlockMask (a fused kernel skips the tiles no query may see), or "dense", block_causal_mask (B*T*T entries for
-    SDPA, off its flash kernels); "auto": flex on CUDA only (torch 2.13's FlexAttention has no CPU backward)."""
+def document_mask(doc_ids: torch.Tensor, kernel: str = "auto",
+                  device: torch.device | str | None = None) -> torch.Tensor | BlockMask:
+    """The block-causal mask of (B, T) doc_ids on `device` (default: theirs), the model's
+    attention_mask: "flex", FlexAttention's BlockMask (a fused kernel skips the tiles no query may
+    see), or "dense", block_causal_mask (B*T*T entries for SDPA, off its flash kernels); "auto":
+    flex on CUDA only (torch 2.13's FlexAttention has no CPU backward). Made from CPU doc_ids (the
+    collate's), a mask is kept: a batch whose documents have the lengths of one of the last few gets
+    that mask back, not rebuilt (no host read: the key is the CPU copy's bytes)."""
     if kernel not in ("auto", "flex", "dense"):
         raise ValueError(f"block mask kernel {kernel!r}; choose 'auto', 'flex' or 'dense'")
-    if kernel == "dense" or (kernel == "auto" and doc_ids.device.type != "cuda"):
-        return block_causal_mask(doc_ids)
-    same_doc_causal = lambda b, h, q, kv: (doc_ids[b, q] == doc_ids[b, kv]) & (kv <= q)  # noqa: E731
-    return create_block_mask(same_doc_causal, doc_ids.shape[0], None, doc_ids.shape[1], doc_ids.shape[1],
-                             device=doc_ids.device)
+    device = doc_ids.device if device is None else torch.device(device)
+    on_cpu = type(doc_ids) is torch.Tensor and doc_ids.device.type == "cpu"
+    key = (doc_ids.numpy().tobytes(), tuple(doc_ids.shape), kernel, str(device)) if on_cpu else None
+    if key in _RECENT_MASKS:
+        return _RECENT_MASKS[key]
+    ids = doc_ids
+    if ids.device != device:  # the collate's CPU doc_ids to the device
+        ids = ids.to(device)
+    if kernel == "dense" or (kernel == "auto" and device.type != "cuda"):
+        mask = block_causal_mask(ids)
+    else:
+        same_doc_causal = lambda b, h, q, kv: (ids[b, q] == ids[b, kv]) & (kv <= q)  # noqa: E731
+        rows, length = ids.shape
+        mask = flex_attention.create_block_mask(same_doc_causal, rows, None, length, length,
+                                                device=device)
+    if key is not None:
+        _RECENT_MASKS[key] = mask
+        if len(_RECENT_MASKS) > 8:  # the oldest goes: a few batches' masks, not one per batch
+            del _RECENT_MASKS[next(iter(_RECENT_MASKS))]
+    return mask
+
+
+_RECENT_MASKS: dict[tuple, torch.Tensor | BlockMask] = {}
 
 
 class PackedDataset(Dataset):
@@ -230,10 +254,12 @@ def row_length(sample: dict, seq_len: int | None) -> int:
 
 
 def split_step(groups: list[list], micro_batch_size: int | None, max_tokens: int | None,
-               seq_len: int | None) -> list[list]:
-    """A step's micro-batches: each group filled greedily (fill_batches) under the sizes."""
-    return [[g[i] for i in b] for g in groups for b in fill_batches(
-        range(len(g)), [row_length(s, seq_len) for s in g], max_tokens, micro_batch_size)]
+               seq_len: int | None, multiple: int = 1) -> list[list]:
+    """A step's micro-batches: each group filled greedily (fill_batches) under the sizes, a row
+    counted at its length rounded up to `multiple` (as the collate pads it)."""
+    padded = [[round_up(row_length(s, seq_len), multiple, seq_len) for s in g] for g in groups]
+    return [[g[i] for i in b] for g, lengths in zip(groups, padded)
+            for b in fill_batches(range(len(g)), lengths, max_tokens, micro_batch_size)]
 
 
 def after_oom(sizes: tuple, micro: list[list], halvings: int, max_retries: int, seq_cut: float,
@@ -289,7 +315,7 @@ class AdaptiveBatchController:
                  check_every: int = 100, high_water: float = 0.80, low_water: float = 0.50, shrink: float = 0.8,
                  max_retries: int = 3, seq_cut: float = 0.8, seq_len: int | None = None, min_seq_len: int = 8,
                  collate_fn: Callable[[list], Any] | None = None, zero_grad: Any = None,
-                 pin_memory: bool = False) -> None:
+                 pin_memory: bool = False, row_multiple: int = 1) -> None:
         rules = {"micro_batch_size and/or max_tokens": micro_batch_size is not None or max_tokens is not None,
                  "micro_batch_size >= 1": micro_batch_size is None or micro_batch_size >= 1,
                  "max_tokens >= 1": max_tokens is None or max_tokens >= 1, "check_every >= 1": check_every >= 1,
@@ -303,6 +329,7 @@ class AdaptiveBatchController:
         self.high_water, self.low_water, self.shrink, self.seq_cut = high_water, low_water, shrink, seq_cut
         self.seq_len, self.seq_len_start, self.uncut_len = seq_len, seq_len, None  # uncut_len: longest row before a cut
         self.collate_fn, self.zero_grad, self.pin_memory = collate_fn or pad_collate, zero_grad, pin_memory
+        self.row_multiple = row_multiple  # a row counts at the length the collate pads it to
         self.step = self.samples_in = self.samples_seen = self.oom_count = self.n_truncated = self.tokens_truncated = 0
         self.events, self._window_peak = [], 0  # _window_peak: highest step peak since the last memory check
 
@@ -319,7 +346,7 @@ class AdaptiveBatchController:
         return int(getattr(self.meter, "peak_in_use", self.meter.peak)())
 
     def _event(self, kind: str, groups: list[list], peak: int | None, message: str) -> None:
-        accum = len(split_step(groups, *self.sizes, self.seq_len))
+        accum = len(split_step(groups, *self.sizes, self.seq_len, self.row_multiple))
         self.events.append(BatchEvent(self.step, kind, *self.sizes, self.seq_len, accum, peak,
                                       getattr(self.meter, "budget_bytes", None), message))
 
@@ -329,7 +356,7 @@ class AdaptiveBatchController:
         n, first_event, halvings = sum(map(len, groups)), len(self.events), 0
         self.samples_in += n
         while True:
-            micro = split_step(groups, *self.sizes, self.seq_len)
+            micro = split_step(groups, *self.sizes, self.seq_len, self.row_multiple)
             try:
                 stats = accumulate_fn([self._collate(mb) for mb in micro])
                 break
@@ -347,7 +374,8 @@ class AdaptiveBatchController:
         self._window_peak = max(self._window_peak, 0 if self.meter is None else self._peak())
         budget = getattr(self.meter, "budget_bytes", None)  # read live: the budget may change during a run
         if self.step % self.check_every == 0 and budget and self._window_peak:  # sizes of the next step by memory_check
-            peak, self._window_peak = self._window_peak, 0
+            outside = getattr(self.meter, "end_window", lambda: 0)()  # the driver, once a decision
+            peak, self._window_peak = self._window_peak + outside, 0
             kind, (self.micro_batch_size, self.max_tokens), self.seq_len, self.uncut_len = memory_check(
                 peak / budget, self.sizes, self.start_sizes, self.seq_len, self.seq_len_start, self.uncut_len,
                 self.high_water, self.low_water, self.shrink)
@@ -363,7 +391,7 @@ class AdaptiveBatchController:
                                "the failed attempt's partial gradients: pass zero_grad=model (or a callable)")
         target.zero_grad(set_to_none=True) if hasattr(target, "zero_grad") else target()
         gc.collect()
-        torch.cuda.empty_cache()  # give the allocator's cached blocks back (a no-op without CUDA)
+        empty_cache(getattr(self.meter, "device", None))  # the cached blocks back (CUDA, MPS)
         self.oom_count += 1
         peak = None if self.meter is None else self._peak()
         if self.meter is not None:

@@ -21,8 +21,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from .checks import require
 from .corpus import tokenizer_fingerprint
-from .fileio import PREFIX, TMP_PREFIX, atomic_open, atomic_write_text
+from .fileio import PREFIX, TMP_PREFIX, atomic_open, atomic_write_text, check_utf8_path
 from .lora import apply_lora, load_lora, merge_lora
 from .model import MiniMindConfig, MiniMindForCausalLM
 from .tokenizer import CONFIG_FILE as TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, check_vocab, load_tokenizer
@@ -306,15 +307,21 @@ def check_out_dir(out: Path, resume: bool, overwrite: bool, resumable: bool = Tr
 
 
 def check_target(path: str | os.PathLike, flag: str) -> Path:
-    """The directory a command writes: never '' or the working directory, where its files would mix with others."""
+    """The directory a command writes: never '' or the working directory, where its files would mix
+    with others, and named in UTF-8 (its JSON files record it)."""
     if not str(path).strip() or Path(path).resolve() == Path.cwd().resolve():
         raise RunError(f"{flag} {str(path)!r} is the working directory ({Path.cwd()}); name a directory of its own")
+    check_utf8_path(path, flag)
     return Path(path)
 
 
 def check_other_files(out: Path, ours: Iterable[str], allowed: bool, replaced: Iterable[str] = ()) -> None:
-    """Refuse a directory holding files this program did not write (`ours`, its PREFIX files): written beside only
-    when allowed, never over (`replaced`: the names the command writes)."""
+    """Refuse a directory holding files this program did not write (`ours`, its PREFIX files):
+    written beside only when allowed, never over (`replaced`: the names the command writes; one that
+    is a folder: refused before anything is replaced)."""
+    folders = [out / name for name in replaced if (out / name).is_dir()] + [None]
+    require(folders[0] is None, f"{folders[0]} is a folder where this command writes a file: "
+            f"move it away or choose another directory", RunError)
     other = sorted(p.name for p in out.iterdir() if p.name not in set(ours) and not p.name.startswith(PREFIX))
     clash = sorted(set(other) & set(replaced))
     if clash or other and not allowed:

@@ -5,6 +5,9 @@ It calls the same functions as the notebooks (pipeline.pretrain/sft, checkpoint.
 of their logic; `--help` on each command lists its options. Every bad input (a zero or negative size, missing or
 corrupt data or checkpoint, tokenizer/model vocab mismatch, --resume with other settings or changed data, an --out in
 use by another run) prints one `error: ...` line on stderr and exits with code 2, before anything in --out is written.
+`compare` exits 1 for a run above its band or diverged; `eval` and `compare` exit 3 when a
+measurement is missing (--json writes it as null, with the reason beside it: JSON has no NaN or
+infinity).
 Ctrl-C or SIGTERM during training ends the run after the current step with a checkpoint (continue with --resume).
 """
 
@@ -17,13 +20,15 @@ import os
 import sys
 from dataclasses import fields
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from .checkpoint import RunError, load_run
-from .device import device_report
+from .device import device_report, get_device
 from .evaluate import compare_run, describe_ladder, evaluate_model
 from .export import DTYPES, export_run, import_hf
+from .fileio import explain
 from .generate import chat
 from .loggers import LOGGERS
 from .model import PRESETS
@@ -84,6 +89,10 @@ def _add_train_args(p: argparse.ArgumentParser, stage: str) -> None:
     p.add_argument("--max-tokens", type=POSITIVE, help="padded tokens per micro-batch (default: the profile's)")
     p.add_argument("--accum", dest="accum_steps", type=POSITIVE, help="micro-batches per step (default: the profile's)")
     p.add_argument("--amp", choices=("auto", "bf16", "fp16", "off"), default="auto", help="mixed precision (default: auto)")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction,
+                   help="torch.compile the model (default: the profile's)")
+    p.add_argument("--loss-chunk", type=NON_NEGATIVE,
+                   help="positions per chunk of the chunked loss (0: off; default: the profile's)")
     p.add_argument("--steps", type=POSITIVE, help="optimizer steps (default: the profile's)")
     p.add_argument("--lr", type=number(float, 0.0, low_ok=False), help="peak learning rate (default: the profile's)")
     p.add_argument("--seq-len", type=POSITIVE, help="longest sample in tokens (default: the profile's)")
@@ -154,7 +163,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_chat(args: argparse.Namespace) -> int:
     """One answer with --prompt; otherwise a REPL when stdin is a terminal, else one answer per stdin line."""
-    model, tok, _ = load_run(args.ckpt, device=args.device)
+    device = None  # the model stays on the CPU
+    if args.device is not None:
+        device = get_device(args.device)  # refuses a device this machine lacks
+    model, tok, _ = load_run(args.ckpt, device=device)
     opts = dict(temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens, seed=args.seed)
     if args.prompt is not None:
         print(chat(args.prompt, model, tok, **opts))
@@ -198,8 +210,28 @@ def cmd_health(args: argparse.Namespace) -> int:
     else:
         r = evaluate_model(args.path, args.data, args.seq_len, replies=args.replies)
         text = describe_ladder(r)
-    print(json.dumps(r, indent=2, ensure_ascii=False, default=str) if args.json else text)
-    return r.get("exit_code", 0)
+    nulls: dict = {}
+    r = strict_json(r, "", nulls)
+    if nulls:
+        r["nulls"] = {where: f"{value}: not a number JSON holds, written as null"
+                      for where, value in nulls.items()}
+    if args.json:
+        text = json.dumps(r, indent=2, ensure_ascii=False, default=str, allow_nan=False)
+    print(text)
+    return r.get("exit_code") or (3 if nulls else 0)
+
+
+def strict_json(value: Any, where: str, nulls: dict) -> Any:
+    """`value` with each NaN or infinite float as None (JSON has neither), its place and value noted
+    in `nulls`."""
+    if isinstance(value, dict):
+        return {k: strict_json(v, f"{where}.{k}".lstrip("."), nulls) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json(v, f"{where}[{i}]", nulls) for i, v in enumerate(value)]
+    if isinstance(value, float) and not math.isfinite(value):
+        nulls[where] = str(value)
+        return None
+    return value
 
 
 def add_subcommands(subparsers) -> None:
@@ -263,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError, FileExistsError, RuntimeError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {explain(exc)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # outside training (tokenizing, loading): nothing to checkpoint yet
         print("error: interrupted", file=sys.stderr)

@@ -6,7 +6,8 @@ cadence, NaN rollbacks."""
 from dataclasses import asdict, dataclass
 from typing import Any
 
-AMP_MODES = ("auto", "bf16", "fp16", "off")
+from .device import AMP_MODES
+
 NORMALIZATIONS = ("token", "naive")
 
 
@@ -25,7 +26,8 @@ class TrainConfig:
     amp: str = "auto"  # "auto" | "bf16" | "fp16" | "off" (see resolve_amp)
     normalization: str = "token"  # "token": sum / the step's tokens (exact); "naive": means / k
     seed: int = 1337
-    log_every: int = 1  # steps between reads of the device (metrics rows, bad steps, callbacks)
+    log_every: int = 10  # steps between reads of the device (metrics rows, bad steps, callbacks)
+    loss_chunk: int = 0  # > 0: the head and the loss that many positions at a time (forward_loss)
     eval_every: int = 0  # validation every N optimizer steps (0: at the end only, if val_batches)
     ckpt_every: int = 0  # training-state checkpoint every N optimizer steps (0: never)
     ckpt_dir: str | None = None  # checkpoints: ckpt_dir/last.pt (every ckpt_every steps, and last)
@@ -44,7 +46,7 @@ class TrainConfig:
                   f"one of {NORMALIZATIONS}")]
         rules += [(name, int(getattr(self, name)) >= low, f">= {low}") for name, low in (
             ("max_steps", 1), ("accum_steps", 1), ("max_bad_steps", 1), ("warmup_steps", 0),
-            ("log_every", 0), ("eval_every", 0), ("ckpt_every", 0))]
+            ("log_every", 0), ("eval_every", 0), ("ckpt_every", 0), ("loss_chunk", 0))]
         for name, ok, rule in rules:
             if not ok:
                 raise ValueError(f"TrainConfig.{name}={getattr(self, name)!r}: must be {rule}")
@@ -57,7 +59,7 @@ class TrainConfig:
         steps = overrides.pop("max_steps", profile.train_steps)
         return cls(**{"lr": profile.lr, "max_steps": steps, "accum_steps": profile.accum_steps,
                       "warmup_steps": max(1, steps // 10), "eval_every": profile.eval_every,
-                      **overrides})
+                      "loss_chunk": profile.loss_chunk, **overrides})
 
     def to_dict(self) -> dict:
         """The config as plain types (stored in checkpoints, compared on resume)."""

@@ -24,8 +24,9 @@ import numpy as np
 import torch
 from tqdm import tqdm  # a text bar: an executed notebook keeps its final state, not a widget's first
 
+from .checks import require
 from .fileio import atomic_open, atomic_write_text, file_fingerprint
-from .tokenizer import ROLES, check_text, check_turn_extras
+from .tokenizer import PIECE_CHARS, ROLES, check_text, check_turn_extras
 
 KINDS = ("pretrain", "sft", "dpo")  # dpo: MiniMind's pairs, {"chosen": [...], "rejected": [...]}
 PAYLOAD = {"pretrain": "text", "sft": "conversations"}  # the key of a record that holds its sample
@@ -91,6 +92,8 @@ def validate_record(record: Any, kind: str) -> list[str]:
         if pending and turn["role"] != "tool" or turn["role"] == "tool" and not pending:
             raise ValueError(f"conversations[{t}]: each tool call gets its own 'tool' turn right after the assistant "
                              f"turn that makes it; {pending} call(s) unanswered before this {turn['role']!r} turn")
+        problem = order_problem([earlier["role"] for earlier in conv[:t]], turn["role"])
+        require(not problem, f"conversations[{t}] ({turn['role']!r}): {problem}")
         pending = len(calls or []) if turn["role"] == "assistant" else pending - (turn["role"] == "tool")
     if pending:
         raise ValueError(f"conversations ends with {pending} tool call(s) that no 'tool' turn answers")
@@ -122,6 +125,17 @@ def validate_pair(record: dict) -> list[str]:
     return []
 
 
+def order_problem(before: list[str], role: str) -> str:
+    """Why a `role` turn cannot follow turns of the roles `before`, or "" (a tool turn: the
+    pending-call rule; a later system turn: kept, as MiniMind-3's template renders it, counted by
+    JsonlReader)."""
+    if role == "assistant" and "user" not in before:
+        return "an answer needs a 'user' turn before it"
+    if before and role == before[-1] and role in ("user", "assistant"):
+        return f"two {role!r} turns in a row: merge them, or put the other role's turn between"
+    return ""
+
+
 def _parse_line(raw: bytes, kind: str | None) -> tuple[Any, list[str]]:
     """Parse and validate one jsonl line: (record, undeclared tool names); a ValueError's message lacks the location."""
     raw = raw.rstrip(b"\r\n")  # so an error's column is on this line, not "column 1" of the next
@@ -146,6 +160,7 @@ class JsonlReader:
         self.n_lines = self.n_records = self.n_blank = self.n_skipped = self.n_bytes = 0  # blank lines hold no sample
         self.skipped_examples: list[str] = []  # the first 5 "file:line: reason" messages, for reports
         self.n_undeclared_tool_calls, self.undeclared_example = 0, ""  # kept and trained as written, but counted
+        self.n_late_system_turns, self.late_system_example = 0, ""  # a system turn after the first
 
     def __iter__(self) -> Iterator[Any]:
         with open(self.path, "rb") as f:
@@ -170,21 +185,31 @@ class JsonlReader:
                 if undeclared:
                     self.n_undeclared_tool_calls += len(undeclared)
                     self.undeclared_example = self.undeclared_example or f"{self.path}:{lineno}: {undeclared[0]!r}"
+                turns = record["conversations"][1:] if self.kind == "sft" else []
+                if any(turn["role"] == "system" for turn in turns):
+                    self.n_late_system_turns += 1
+                    self.late_system_example = self.late_system_example or f"{self.path}:{lineno}"
                 yield record
-        if self.n_skipped or self.n_undeclared_tool_calls:
+        if self.n_skipped or self.n_undeclared_tool_calls or self.n_late_system_turns:
             warnings.warn(self.report(), stacklevel=2)
 
     def report(self) -> str:
         """One line saying what was read and skipped."""
         s = f"{self.path}: read {self.n_records} records from {self.n_lines} lines, skipped {self.n_skipped} lines"
         s += f" (first: {self.skipped_examples[0]})" if self.skipped_examples else ""
-        return s + (f"; {self.n_undeclared_tool_calls} tool call(s) to a tool the system turn does not declare, kept "
-                    f"(first: {self.undeclared_example})" if self.n_undeclared_tool_calls else "")
+        calls = (f"; {self.n_undeclared_tool_calls} tool call(s) to a tool the system turn does "
+                 f"not declare, kept (first: {self.undeclared_example})")
+        late = (f"; {self.n_late_system_turns} conversation(s) with a 'system' turn after the "
+                f"first, kept as MiniMind-3's template renders it (first: "
+                f"{self.late_system_example})")
+        s += calls if self.n_undeclared_tool_calls else ""
+        return s + (late if self.n_late_system_turns else "")
 
     def counts(self) -> dict:
         """What a dataset's stats report about the reading: skipped and blank lines."""
         return {"n_skipped": self.n_skipped, "n_blank": self.n_blank, "skipped_examples": list(self.skipped_examples),
-                "n_undeclared_tool_calls": self.n_undeclared_tool_calls}
+                "n_undeclared_tool_calls": self.n_undeclared_tool_calls,
+                "n_late_system_turns": self.n_late_system_turns}
 
 
 read_jsonl = JsonlReader  # read_jsonl(path, on_error="raise", kind=None, max_samples=None): the name callers use
@@ -270,18 +295,36 @@ def _init_worker(tokenizer) -> None:
 def tokenize_samples(kind: str, payloads: list, tokenizer=None) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """Flat int64 ids, per-sample lengths and (SFT) uint8 trained-token mask of the samples `payloads`."""
     tok = tokenizer if tokenizer is not None else _WORKER["tok"]
-    if kind == "pretrain":  # the Rust tokenizer encodes a batch in parallel
-        encoded = tok.encode_batch(payloads) if hasattr(tok, "encode_batch") else [tok.encode(t, add_special_tokens=False) for t in payloads]
-        seqs, masks = [[tok.bos_token_id, *ids, tok.eos_token_id] for ids in encoded], None
+    if kind == "pretrain":
+        bos, eos = [tok.bos_token_id], [tok.eos_token_id]
+        encoded = encode_texts(tok, payloads)
+        seqs, masks = [np.concatenate([bos, ids, eos], dtype=np.int64) for ids in encoded], None
     else:
         convs = payloads
         if kind == "dpo":  # a pair's chosen conversation, then its rejected one: two samples
             convs = [c for pair in payloads for c in (pair["chosen"], pair["rejected"])]
         seqs, masks = zip(*[encode_sft(tok, c) for c in convs]) if convs else ([], [])
     lengths = np.asarray([len(s) for s in seqs], dtype=np.int64)
-    flat = np.fromiter(itertools.chain.from_iterable(seqs), dtype=np.int64, count=int(lengths.sum()))
+    flat = np.concatenate([np.zeros(0, np.int64), *seqs], dtype=np.int64)
     mask = np.concatenate([np.zeros(0, np.uint8), *masks]) if masks is not None else None
     return flat, lengths, mask
+
+
+def encode_texts(tok: Any, texts: list[str]) -> list:
+    """Token ids of each text: a batch in parallel in the Rust encoder; a text over PIECE_CHARS
+    piece by piece (Tokenizer.pieces: the same ids) into an int64 array, a few bytes a token."""
+    if not hasattr(tok, "pieces"):  # a transformers tokenizer
+        return [tok.encode(text, add_special_tokens=False) for text in texts]
+    long = {i for i, text in enumerate(texts) if len(text) > PIECE_CHARS}
+    short = iter(tok.encode_batch([text for i, text in enumerate(texts) if i not in long]))
+    return [encode_long(tok, text) if i in long else next(short) for i, text in enumerate(texts)]
+
+
+def encode_long(tok: Any, text: str, group: int = 4) -> np.ndarray:
+    """The ids of a long text, `group` pieces at a time (in parallel), each kept as int64."""
+    pieces = tok.pieces(text)
+    batches = (tok.encode_batch(pieces[k:k + group]) for k in range(0, len(pieces), group))
+    return np.concatenate([np.asarray(ids, np.int64) for batch in batches for ids in batch])
 
 
 def tokenizers_parallelism_off() -> contextlib.AbstractContextManager:

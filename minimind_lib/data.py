@@ -48,6 +48,7 @@ class DataStats:
     n_no_target: int = 0  # SFT: samples whose assistant tokens were all cut off by truncation
     no_target_examples: list[int] = field(default_factory=list)  # the first 5 of them (indices)
     n_undeclared_tool_calls: int = 0  # SFT: calls to a tool the system turn does not declare (kept, trained)
+    n_late_system_turns: int = 0  # SFT: conversations with a later system turn (kept: MiniMind-3's)
     skipped_examples: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
@@ -100,7 +101,8 @@ class _TokenDataset(Dataset):
         self.offsets = np.load(prefix + ".idx.npy")  # small (8 bytes per sample): read once; tokens stay on disk
         if len(self.offsets) != self.meta["n_samples"] + 1:
             raise ValueError(f"{prefix}.idx.npy has {len(self.offsets)} offsets, meta says {self.meta['n_samples']} samples")
-        self.read_counts = {k: self.meta.get(k, 0) for k in ("n_skipped", "n_blank", "n_undeclared_tool_calls")}
+        counted = ("n_skipped", "n_blank", "n_undeclared_tool_calls", "n_late_system_turns")
+        self.read_counts = {k: self.meta.get(k, 0) for k in counted}
         self.read_counts["skipped_examples"] = self.meta["skipped_examples"]
 
     def _read_jsonl(self, path: Path, tokenizer, on_error: str, max_samples: int | None) -> None:
@@ -184,11 +186,20 @@ class _TokenDataset(Dataset):
         stats = DataStats(n_samples=len(self), n_documents=len(raw), n_tokens=n_tokens,
                           n_truncated=0 if chunk else int(over.sum()), n_chunked=int(over.sum()) if chunk else 0,
                           truncated_tokens=0 if chunk else int((raw[over] - self.seq_len).sum()), **self.read_counts)
-        if self.kind != "pretrain":  # trained tokens after truncation (position 0 is no target)
-            trained = [int(np.count_nonzero(self.raw(i)[1][:self.seq_len][1:])) for i in range(self.n_documents())]
-            stats.n_trained_tokens, stats.n_no_target = sum(trained), trained.count(0)
-            stats.no_target_examples = [i for i, n in enumerate(trained) if n == 0][:5]
+        if self.kind != "pretrain":
+            stats.n_trained_tokens = int(self.trained_counts.sum())
+            stats.n_no_target = int((self.trained_counts == 0).sum())
+            stats.no_target_examples = np.flatnonzero(self.trained_counts == 0)[:5].tolist()
         return stats
+
+    @functools.cached_property
+    def trained_counts(self) -> np.ndarray | None:
+        """SFT: each sample's trained tokens after truncation (position 0 is never a target after
+        the shift); None for pretraining text, all trained."""
+        if self.kind == "pretrain":
+            return None
+        masks = (self.raw(i)[1][1:self.seq_len] for i in range(self.n_documents()))
+        return np.fromiter((np.count_nonzero(m) for m in masks), np.int64, self.n_documents())
 
 
 class PretrainDataset(_TokenDataset):
@@ -242,15 +253,17 @@ class MemmapDataset(_TokenDataset):
 
 
 def pad_collate(samples: Sequence[dict], pad_id: int = 0, seq_len: int | None = None,
-                fixed: bool = False) -> dict[str, torch.Tensor]:
-    """(B, T) input_ids, labels (-100 on pads) and attention_mask of samples cut to seq_len, each row padded to
-    seq_len (fixed=True, MiniMind's way) or to the longest row of the batch (dynamic padding)."""
+                fixed: bool = False, multiple: int = 1) -> dict[str, torch.Tensor]:
+    """(B, T) input_ids, labels (-100 on pads) and attention_mask of samples cut to seq_len, each
+    row padded to seq_len (fixed=True, MiniMind's way) or to the longest row of the batch (dynamic
+    padding), rounded up to a multiple of `multiple` (a compiled model then sees a few row lengths,
+    not one per batch)."""
     if not samples:
         raise ValueError("pad_collate got an empty list of samples")
     if fixed and seq_len is None:
         raise ValueError("pad_collate(fixed=True) needs seq_len")
     rows = [(s["input_ids"][:seq_len], s.get("labels", s["input_ids"])[:seq_len]) for s in samples]
-    length = seq_len if fixed else max(len(ids) for ids, _ in rows)
+    length = seq_len if fixed else round_up(max(len(ids) for ids, _ in rows), multiple, seq_len)
     input_ids = torch.full((len(rows), length), int(pad_id), dtype=torch.long)
     labels = torch.full((len(rows), length), IGNORE_INDEX, dtype=torch.long)
     attention_mask = torch.zeros((len(rows), length), dtype=torch.long)
@@ -260,11 +273,19 @@ def pad_collate(samples: Sequence[dict], pad_id: int = 0, seq_len: int | None = 
     return {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}
 
 
-def pair_collate(samples: Sequence[dict], pad_id: int = 0) -> dict[str, torch.Tensor]:
+def pair_collate(samples: Sequence[dict], pad_id: int = 0,
+                 multiple: int = 1) -> dict[str, torch.Tensor]:
     """A batch of preference pairs (PairDataset's): the chosen rows, then the rejected rows
     (MiniMind's layout)."""
     rejected = [{"input_ids": s["rejected_ids"], "labels": s["rejected_labels"]} for s in samples]
-    return pad_collate([*samples, *rejected], pad_id=pad_id)
+    return pad_collate([*samples, *rejected], pad_id=pad_id, multiple=multiple)
+
+
+def round_up(length: int, multiple: int, limit: int | None = None) -> int:
+    """`length` rounded up to a multiple of `multiple`, at most `limit` (when given, and not below
+    length)."""
+    rounded = -(-length // multiple) * multiple
+    return rounded if limit is None else max(length, min(rounded, limit))
 
 
 def padding_fraction(batch_lengths: Iterable[Sequence[int]], seq_len: int | None = None) -> float:
@@ -295,15 +316,19 @@ def memmap_dataset(path: Path, tok: Any, kind: str, seq_len: int, cache_dir: Pat
     return ds, info
 
 
-def holdout_indices(n: int, seed: int) -> tuple[list[int], list[int]]:
-    """(train, held out) indices of n samples: a fixed 5% drawn by seed (SFT's validation set), each sorted."""
+def holdout_indices(n: int, seed: int,
+                    trains: Sequence[bool] | None = None) -> tuple[list[int], list[int]]:
+    """(train, held out) indices of n samples, each sorted: a fixed 5% drawn by seed (SFT's
+    validation set) among the samples that train something (trains[i]; None: all do)."""
     order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
-    return sorted(order[max(1, n // 20):]), sorted(order[:max(1, n // 20)])
+    held = [i for i in order if trains is None or trains[i]][:max(1, n // 20)]
+    return sorted(set(order) - set(held)), sorted(held)
 
 
 def holdout_split(ds: Any, seed: int) -> tuple[Subset, Subset]:
     """(train, held out): holdout_indices of a dataset, as Subsets with their lengths and stats."""
-    parts = tuple(Subset(ds, part) for part in holdout_indices(len(ds), seed))
+    trains = None if ds.trained_counts is None else ds.trained_counts > 0
+    parts = tuple(Subset(ds, part) for part in holdout_indices(len(ds), seed, trains))
     for part in parts:
         part.lengths, part.stats = ds.lengths[part.indices], ds.stats
     return parts

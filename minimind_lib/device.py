@@ -1,29 +1,40 @@
-"""The device, as notebook 00_setup shows it: which one the course runs on and what it can honestly do.
+"""The device, as notebook 00_setup shows it: which one the course runs on and what it can honestly do,
+and the autocast it gets (resolve_amp, notebook 05_mixed_precision).
 
-A format is "supported" when autocast runs in it here (tried), "native" when the hardware has it (not emulated)."""
+A format is "supported" when autocast runs in it here (tried), "native" when the hardware has it (not
+emulated)."""
 
 import os
 import platform
+import warnings
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
 import torch
 
 from . import WAIT_POLICY_SOURCE  # the package's first lines set the policy, before torch loads
+from .checks import require
 
 _NATIVE_CPU_FLAGS = {torch.bfloat16: {"avx512_bf16", "amx_bf16", "bf16"},  # /proc/cpuinfo flags: x86 AVX512, AMX; Arm
                      torch.float16: {"avx512_fp16", "amx_fp16", "asimdhp"}}  # x86 AVX512, AMX; Arm half-precision SIMD
 
 
 def get_device(prefer: str | None = None) -> torch.device:
-    """The best device available: cuda > mps > cpu (or `prefer`, or env MINIMIND_DEVICE). CUDA, set up before it first
-    allocates: expandable segments (unless PYTORCH_CUDA_ALLOC_CONF is set): one segment that grows by mapping pages,
-    so memory a batch of one shape frees serves the next shape and reserved memory stays near allocated (notebook 06);
+    """The best device available: cuda > mps > cpu (or `prefer`, or env MINIMIND_DEVICE). CUDA, set
+    up before it first allocates: expandable segments (PYTORCH_ALLOC_CONF, unless it or the older
+    PYTORCH_CUDA_ALLOC_CONF is set): one segment that grows by mapping pages, so memory a batch of
+    one shape frees serves the next shape and reserved memory stays near allocated (notebook 06);
     TF32 for fp32 matmuls (Ampere on, fp32 accumulation; notebook 05)."""
     best = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
     device = torch.device(prefer or os.environ.get("MINIMIND_DEVICE") or best)
-    if device.type == "cuda" and not torch.cuda.is_initialized():  # later the allocator has read its settings
-        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    present = device.type not in ("cuda", "mps") or getattr(torch, device.type).is_available()
+    require(present, f"device {device} is not available on this machine (torch "
+            f"{torch.__version__}); pass --device cpu or leave --device out to use the best one "
+            f"present")
+    user_set = {"PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"} & set(os.environ)
+    if device.type == "cuda" and not torch.cuda.is_initialized() and not user_set:  # read once
+        os.environ["PYTORCH_ALLOC_CONF"] = "expandable_segments:True"
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
     return device
@@ -115,6 +126,16 @@ def describe(profile: Any = None, device: torch.device | None = None) -> str:
     return f"{device.type} ({device_name(device)}{isa}){named}, torch {torch.__version__.split('+')[0]}"
 
 
+def empty_cache(device: torch.device | None = None) -> None:
+    """Give the allocator's cached blocks back to the driver, on `device` or (None) on every GPU
+    backend present."""
+    kind = None if device is None else torch.device(device).type
+    if kind in (None, "cuda"):
+        torch.cuda.empty_cache()  # a no-op before CUDA's first use
+    if kind == "mps" or (kind is None and torch.backends.mps.is_available()):
+        torch.mps.empty_cache()
+
+
 def synchronize(device: torch.device | str) -> None:
     """Wait for the device's queued kernels (GPUs run asynchronously: time only after this)."""
     device = torch.device(device)
@@ -122,3 +143,65 @@ def synchronize(device: torch.device | str) -> None:
         torch.cuda.synchronize(device)
     elif device.type == "mps":
         torch.mps.synchronize()
+
+
+# ---- Autocast and the GradScaler (notebook 05_mixed_precision; train.py imports them from here)
+AMP_MODES = ("auto", "bf16", "fp16", "off")
+
+
+@dataclass(frozen=True)
+class AmpSettings:
+    """What autocast does on this device: the dtype (None: fp32, no autocast), whether a GradScaler,
+    and why."""
+    dtype: torch.dtype | None
+    use_scaler: bool
+    reason: str
+
+    @property
+    def name(self) -> str:
+        """'bf16', 'fp16' or 'fp32'."""
+        return {torch.bfloat16: "bf16", torch.float16: "fp16", None: "fp32"}[self.dtype]
+
+
+# notebook 05: AVX512-BF16, no AMX: bf16 x1.27 fp32's step at hidden 64, x0.66 at 256
+CPU_BF16_MIN_HIDDEN = 256
+
+
+def resolve_amp(amp: str, device: torch.device | str,
+                hidden_size: int | None = None) -> AmpSettings:
+    """Autocast dtype, GradScaler and why, for `amp` ("auto"|"bf16"|"fp16"|"off") on `device`; on a
+    CPU, auto picks bf16 only for a model of hidden_size >= CPU_BF16_MIN_HIDDEN (notebook 05
+    measures where bf16 starts to pay)."""
+    device = torch.device(device)
+    if amp not in AMP_MODES:
+        raise ValueError(f"amp={amp!r}; choose one of {AMP_MODES}")
+    if amp == "off":
+        return AmpSettings(None, False, "amp='off': fp32")
+    if amp == "bf16":  # bf16 has fp32's exponent range: no GradScaler needed
+        if not bf16_supported(device):
+            raise ValueError(f"amp='bf16' requested but {device} does not support bf16 "
+                             f"(try amp='fp16' or 'auto')")
+        if device.type == "cuda" and not bf16_native(device):  # a T4: torch emulates it
+            warnings.warn(f"amp='bf16' on {device}, a GPU without bf16 tensor cores (compute "
+                          f"capability < 8.0): it runs emulated, slower than fp32; amp='auto' "
+                          f"picks fp16 with a GradScaler there", stacklevel=2)
+        return AmpSettings(torch.bfloat16, False, "amp='bf16' requested")
+    if amp == "fp16":  # the scaler is what makes fp16 safe; torch.amp has it on CPU and MPS too
+        return AmpSettings(torch.float16, True, "amp='fp16' requested: fp16 autocast + GradScaler")
+    native = bf16_native(device)  # CUDA: compute capability >= 8.0 (a T4's 7.5 has none); MPS: yes
+    if device.type in ("cuda", "mps") and native:
+        return AmpSettings(torch.bfloat16, False, f"auto: {device.type} with bf16 -> bf16 autocast")
+    if device.type in ("cuda", "mps"):
+        return AmpSettings(torch.float16, True,
+                           f"auto: {device.type} without bf16 -> fp16 autocast + GradScaler")
+    if native and hidden_size is not None and hidden_size >= CPU_BF16_MIN_HIDDEN:
+        return AmpSettings(torch.bfloat16, False, f"auto: CPU with native bf16, hidden size "
+                           f"{hidden_size} >= {CPU_BF16_MIN_HIDDEN} -> bf16 autocast")
+    why = "model size not given"
+    if not native:
+        why = "no bf16 instructions on this CPU: emulated bf16 is slower"
+    elif hidden_size is not None:
+        why = (f"hidden size {hidden_size} < {CPU_BF16_MIN_HIDDEN}, the bar that notebook 05's "
+               f"width sweep set on an AVX512-BF16 CPU, where bf16 won every run only from "
+               f"{CPU_BF16_MIN_HIDDEN}")
+    return AmpSettings(None, False, f"auto: {device.type} -> fp32 ({why})")

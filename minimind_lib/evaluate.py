@@ -8,6 +8,7 @@ two-choice continuation test, the reply format after SFT.
 
 from __future__ import annotations
 
+import csv
 import json
 import math
 from pathlib import Path
@@ -18,19 +19,22 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 
-from .checkpoint import METRICS_FILE, RunError, load_run, read_run_config
+from .checkpoint import METRICS_FILE, SUMMARY_FILE, RunError, load_run, read_run_config
+from .checks import require
 from .corpus import PAYLOAD, JsonlReader, tokenize_samples
 from .data import holdout_indices, pad_collate
+from .export import WEIGHTS_FILE, read_hf
 from .fileio import file_fingerprint
 from .generate import chat_reply
 from .paths import ASSETS_DIR, DATA_DIR, find_data_file
 from .pipeline import applied
 from .profiles import get_profile
-from .tokenizer import check_vocab, load_tokenizer
+from .tokenizer import load_tokenizer
 
 BAND_FORMAT, BAND_VERSION, BANDS_DIR = "minimind-band", 1, ASSETS_DIR / "bands"
 SPIKE_FACTOR = 10.0  # a gradient norm this many times the run's median (after warmup) is a spike
 BLOWUP_NATS = 0.5  # a loss this far above ln(vocab), the loss of uniform guessing, after training began: diverged
+NUMBERS = ("step", "loss", "tokens", "val_loss", "grad_norm")  # the metrics.csv columns read
 
 
 # ----------------------------------------------------------------------------------- 1. health: band and doctor
@@ -69,9 +73,32 @@ def read_metrics(run_dir: str | Path) -> pd.DataFrame:
         df = pd.read_csv(path)
     except (ValueError, UnicodeDecodeError) as e:  # pandas' parser errors are ValueErrors
         raise RunError(f"{path}: not a metrics table ({e})") from None
-    if missing := sorted({"step", "loss", "tokens", "val_loss", "grad_norm"} - set(df.columns)):
-        raise RunError(f"{path}: lacks column(s) {missing}: not a metrics table this program wrote")
+    missing = sorted(set(NUMBERS) - set(df.columns))
+    require(not missing, f"{path}: lacks column(s) {missing}: not a metrics table this program "
+            "wrote", RunError)
+    check_rows(path, len(df.columns))
+    for column in NUMBERS:  # a hand-edited cell: named, not a traceback later
+        values = pd.to_numeric(df[column], errors="coerce")
+        bad = df.index[values.isna() & df[column].notna()]
+        first = int(bad[0]) if len(bad) else -1
+        require(first < 0, f"{path}:{first + 2}: column {column!r} holds "
+                f"{df[column].get(first)!r}, not a number (a hand-edited cell?), so no verdict",
+                RunError)
+        df[column] = values
     return df.assign(tokens_seen=df["tokens"].where(applied(df), 0).cumsum())
+
+
+def check_rows(path: Path, n_columns: int) -> None:
+    """Refuse a metrics table cut short: its last row without an end of line, or a row with fields
+    missing (pandas would read them as empty)."""
+    with open(path, "rb") as f:
+        f.seek(-1, 2)
+        require(f.read(1) == b"\n", f"{path}: its last row is cut short (no end of line): the "
+                "file is incomplete (a run writes it whole), so no verdict", RunError)
+    with open(path, newline="", encoding="utf-8") as f:
+        short = next((n for n, row in enumerate(csv.reader(f), 1) if len(row) != n_columns), 0)
+    require(short == 0, f"{path}:{short}: not a row of {n_columns} fields: the file was cut or "
+            "edited, so no verdict", RunError)
 
 
 def validation_points(df: pd.DataFrame) -> pd.DataFrame:
@@ -161,9 +188,17 @@ def judge(df: pd.DataFrame, cfg: dict) -> dict:
 
 
 def compare_run(run_dir: str | Path) -> dict:
-    """`python -m minimind_lib compare RUN`: judge a run directory (config.json, metrics.csv) against its band."""
-    cfg = read_run_config(run_dir)
-    return {"run": str(run_dir), **judge(read_metrics(run_dir), cfg)}
+    """`python -m minimind_lib compare RUN`: judge a run directory (config.json, metrics.csv)
+    against its band; a metrics.csv with fewer trained tokens than summary.json says: refused."""
+    cfg, df, summary = read_run_config(run_dir), read_metrics(run_dir), Path(run_dir) / SUMMARY_FILE
+    done = None
+    if summary.is_file():
+        done = json.loads(summary.read_text(encoding="utf-8")).get("tokens")
+    seen = int(df["tokens_seen"].iloc[-1]) if len(df) else 0
+    require(not isinstance(done, int) or seen >= done, f"{Path(run_dir) / METRICS_FILE}: holds "
+            f"{seen:,} trained tokens, {summary} says the run trained {done:,}: rows are missing, "
+            f"so no verdict", RunError)
+    return {"run": str(run_dir), **judge(df, cfg)}
 
 
 # ----------------------------------------------------------------------------------- 2. the evaluation ladder
@@ -186,15 +221,20 @@ def share(k: float, n: int) -> dict:
 
 
 def load_model(path: str | Path, device: str = "cpu") -> tuple[torch.nn.Module, Any, dict | None]:
-    """(model, tokenizer, run config) of a run directory, or of a transformers export (config None: transformers'
-    own Llama/Qwen3 classes compute its numbers, loaded by AutoModelForCausalLM without remote code)."""
-    config = Path(path) / "config.json"
-    if not (config.is_file() and "model_type" in json.loads(config.read_bytes())):
+    """(model, tokenizer, run config) of a run directory, or of a transformers export (config None:
+    transformers' own Llama/Qwen3 classes compute its numbers, loaded by AutoModelForCausalLM
+    without remote code). An export is first checked as import-hf checks it, and loaded only when
+    transformers found every weight and nothing else."""
+    if not (Path(path) / WEIGHTS_FILE).exists():
         return load_run(path, device=device)
-    from transformers import AutoModelForCausalLM  # here only: the rest of the course runs without transformers
-    model, tok = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval(), load_tokenizer(path)
-    check_vocab(tok, model.config.vocab_size)
-    return model, tok, None
+    _, tok = read_hf(path)  # config.json, tokenizer, weights: an error names the file and the fault
+    from transformers import AutoModelForCausalLM  # here only: the course runs without transformers
+    model, info = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                       output_loading_info=True)
+    wrong = {k: sorted(map(str, v))[:3] for k, v in info.items() if v}  # missing, unexpected keys
+    require(not wrong, f"{Path(path) / WEIGHTS_FILE}: transformers did not load it as written "
+            f"({wrong}): its numbers would be another model's", RunError)
+    return model.to(device).eval(), tok, None
 
 
 @torch.no_grad()
@@ -300,7 +340,11 @@ def chat_ladder(model: torch.nn.Module, tok: Any, convs: list[list[dict]], seq_l
         details, question = {}, language(messages[-1]["content"] or "")
         reply = chat_reply(model, tok, messages, temperature=0.0, max_new_tokens=reply_tokens, details=details)
         ended, same = ended + details["ended"], same + (question != "other" and language(reply) == question)
-    return {"conversations": len(convs), "assistant_tokens": len(nll), "assistant_loss": round(float(nll.mean()), 4),
+    why = (f"no assistant token within the first {seq_len} tokens of any of the {len(convs)} "
+           f"conversations: a longer --seq-len")
+    missing = {} if len(nll) else {"assistant_loss_missing": why}
+    return {"conversations": len(convs), "assistant_tokens": len(nll),
+            "assistant_loss": round(float(nll.mean()), 4) if len(nll) else None, **missing,
             "reply_budget": reply_tokens, **({"ended_with_im_end": share(ended, len(asked)),
                                               "same_language": share(same, len(asked))} if asked else {})}
 
@@ -313,9 +357,12 @@ def _records(path: str | Path, kind: str, max_samples: int | None = None) -> lis
     return records
 
 
-def held_out(cfg: dict | None, data: str | Path | None) -> tuple[Path, tuple, list | None]:
-    """(held-out text, (baselines' training file, max_samples), held-out conversations or None) of a run's config
-    (None: an export); `data`, a jsonl of {"text"} or of {"conversations"}, replaces the text or the conversations."""
+def held_out(cfg: dict | None, data: str | Path | None,
+             tok: Any = None) -> tuple[Path, tuple, list | None]:
+    """(held-out text, (baselines' training file, max_samples), held-out conversations or None) of
+    a run's config (None: an export); `data`, a jsonl of {"text"} or of {"conversations"}, replaces
+    the text or the conversations; tok: the run's tokenizer (default: the bundled one), which says
+    the conversations that train something."""
     first = next(iter(JsonlReader(data)), None) if data is not None else None
     kind = next((k for k, key in PAYLOAD.items() if isinstance(first, dict) and key in first), None)
     if data is not None and kind is None:
@@ -327,9 +374,13 @@ def held_out(cfg: dict | None, data: str | Path | None) -> tuple[Path, tuple, li
     train = (cfg["data"], cfg.get("max_samples")) if pre else (find_data_file("pretrain"), None)  # what it learned
     if kind == "sft" or (sft and cfg.get("val_data")):
         convs = _records(data if kind == "sft" else cfg["val_data"], "sft")
-    elif sft:  # the run's own held-out 5% of its SFT file
+    elif sft:  # the run's own held-out 5% of its SFT file, drawn as the run drew it
         every = _records(cfg["data"], "sft", cfg.get("max_samples"))
-        convs = [every[i] for i in holdout_indices(len(every), cfg["train"]["seed"])[1]]
+        convs = [r["conversations"] for r in every]
+        _, lengths, mask = tokenize_samples("sft", convs, tok or load_tokenizer())
+        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])  # each one's first place in `mask`
+        trains = [mask[a + 1:a + min(n, cfg["seq_len"])].any() for a, n in zip(starts, lengths)]
+        convs = [every[i] for i in holdout_indices(len(every), cfg["train"]["seed"], trains)[1]]
     return Path(text or DATA_DIR / "pretrain_val.jsonl"), train, convs
 
 
@@ -340,7 +391,7 @@ def evaluate_model(path: str | Path, data: str | Path | None = None, seq_len: in
     model, tok, cfg = load_model(path, device)
     trained = cfg if (cfg or {}).get("stage") in ("pretrain", "sft") else None  # import-hf's runs record no training
     seq_len = seq_len or (trained or {}).get("seq_len") or get_profile().seq_len
-    text, (train, cap), convs = held_out(trained, data)
+    text, (train, cap), convs = held_out(trained, data, tok)
     docs = _records(text, "pretrain")
     choice, train_texts = two_choice(model, tok, docs), [r["text"] for r in _records(train, "pretrain", cap)]
     result = {"model": str(path), "kind": "transformers" if cfg is None else "run", "text_data": str(text),
@@ -348,6 +399,8 @@ def evaluate_model(path: str | Path, data: str | Path | None = None, seq_len: in
               "table": text_ladder(model, tok, docs, seq_len, train_texts), "two_choice": choice}
     if convs is not None:
         result["chat"] = chat_ladder(model, tok, [r["conversations"] for r in convs], seq_len, reply_tokens, replies)
+        missing = "assistant_loss_missing" in result["chat"]
+        result["exit_code"] = 3 if missing else 0  # 3: a measurement is missing
     return result
 
 
@@ -366,8 +419,14 @@ def describe_ladder(r: dict) -> str:
              f"tokens; baselines from {r['baselines_from']}", ladder_table(r).to_string(index=False),
              f"two-choice continuation ({t['tokens']} tokens, {t['pairs']} pairs asked both ways): {pct(t)}, chance "
              f"50%: {t['verdict']} (plain log-likelihood: {pct(t['plain_log_likelihood'])})"]
-    if "ended_with_im_end" in c:
-        lines.append(f"after SFT, {c['conversations']} held-out conversations: assistant-token loss "
-                     f"{c['assistant_loss']:.3f}; greedy replies ending with <|im_end|> within {c['reply_budget']} "
-                     f"tokens: {pct(c['ended_with_im_end'])}; in the question's language: {pct(c['same_language'])}")
+    if c:
+        missing = c.get("assistant_loss_missing")
+        loss = f": none ({missing})" if missing else f" {c['assistant_loss']:.3f}"
+        replies = ""
+        if "ended_with_im_end" in c:
+            replies = (f"; greedy replies ending with <|im_end|> within {c['reply_budget']} "
+                       f"tokens: {pct(c['ended_with_im_end'])}; in the question's language: "
+                       f"{pct(c['same_language'])}")
+        lines.append(f"after SFT, {c['conversations']} held-out conversations: assistant-token "
+                     f"loss{loss}{replies}")
     return "\n".join(lines)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ from .checkpoint import (LORA_FILE, MODEL_FILE, RUN_FILES, RUN_FORMAT, RUN_VERSI
                          save_checkpoint, start_run_dir)
 from .checks import require
 from .corpus import check_choice, tokenizer_fingerprint
-from .fileio import PREFIX, TMP_PREFIX, atomic_write_text, exclusive_dir
+from .fileio import ADVICE, PREFIX, TMP_PREFIX, atomic_write_text, check_utf8_path, exclusive_dir
 from .model import YARN_SCALING, MiniMindConfig, MiniMindForCausalLM
 from .tokenizer import CONFIG_FILE as TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, check_vocab, load_tokenizer
 
@@ -91,6 +92,18 @@ def peft_adapter(run_dir: str | Path) -> tuple[dict, dict, None, tuple]:
     return config, tensors, None, ADAPTER_FILES
 
 
+def save_weights(tensors: dict, path: Path, target: Path) -> None:
+    """save_file to `path`, the temp copy of `target`; a failed write (a full disk): one line naming
+    `target`."""
+    try:
+        save_file(tensors, path, metadata={"format": "pt"})
+    except SafetensorError as e:  # its I/O errors give the errno in text only: "(os error 28)"
+        found = re.search(r"os error (\d+)", str(e))
+        why = ADVICE.get(int(found[1]), str(e)) if found else str(e)
+        raise OSError(f"cannot write {target}: {why}; nothing in {target.parent} was "
+                      f"replaced") from None
+
+
 def export_run(run_dir: str | Path, out_dir: str | Path, dtype: str = "fp32", overwrite: bool = False,
                allow_other_files: bool = False, adapter: bool = False) -> Path:
     """Write a finished run as a transformers directory (config.json, model.safetensors, tokenizer); returns it.
@@ -114,7 +127,7 @@ def export_run(run_dir: str | Path, out_dir: str | Path, dtype: str = "fp32", ov
         shutil.rmtree(tmp, ignore_errors=True)
         try:
             atomic_write_text(tmp / names[0], json.dumps(config, indent=2, sort_keys=True) + "\n")
-            save_file(tensors, tmp / names[1], metadata={"format": "pt"})
+            save_weights(tensors, tmp / names[1], out / names[1])
             if tok is not None:
                 tok.save(tmp)
             # listed before any move: a kill while moving leaves no file of ours unlisted
@@ -126,8 +139,9 @@ def export_run(run_dir: str | Path, out_dir: str | Path, dtype: str = "fp32", ov
     return out
 
 
-def minimind_config(c: dict) -> MiniMindConfig:
+def minimind_config(c: Any) -> MiniMindConfig:
     """The MiniMindConfig of a transformers config.json; ValueError naming the field the course cannot express."""
+    require(isinstance(c, dict), f"a JSON object of fields, not {type(c).__name__} {c!r:.40}")
     if c.get("model_type") not in ARCHS:
         raise RunError(f"model_type={c.get('model_type')!r} ({c.get('architectures')}): the course reads "
                        f"{sorted(ARCHS.values())} only")
@@ -147,16 +161,20 @@ def minimind_config(c: dict) -> MiniMindConfig:
                           qk_norm=c["model_type"] != "llama", inference_rope_scaling=yarn)
 
 
-def import_hf(hf_dir: str | Path, run_dir: str | Path, overwrite: bool = False, allow_other_files: bool = False) -> Path:
-    """A run directory for `chat` and `sft --init` from a transformers directory the course can express; returns it."""
-    hf_dir, out, path = Path(hf_dir), check_target(run_dir, "--out"), Path(hf_dir) / "config.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: {hf_dir} is not a transformers model directory")
+def read_hf(hf_dir: str | Path) -> tuple[MiniMindForCausalLM, Any]:
+    """(model, tokenizer) of a transformers directory the course can express: its config.json,
+    tokenizer and weights checked (an error names the file and what is wrong: a field, the vocab, a
+    missing, extra or mis-shaped key)."""
+    hf_dir, path = Path(hf_dir), Path(hf_dir) / "config.json"
+    require(path.is_file(), f"{path} not found: {hf_dir} is not a transformers model directory",
+            FileNotFoundError)
+    check_utf8_path(hf_dir, "the model directory")  # a run records where it came from
     try:
         mcfg = minimind_config(json.loads(path.read_text(encoding="utf-8")))
     except (KeyError, ValueError, AttributeError, TypeError) as e:  # a missing field, bad JSON, a value out of range
         raise RunError(f"{path}: not a model config this course reads ({type(e).__name__}: {e})") from None
-    check_vocab(tok := load_tokenizer(hf_dir), mcfg.vocab_size)  # the message names the tokenizer's directory
+    tok = load_tokenizer(hf_dir)
+    check_vocab(tok, mcfg.vocab_size)  # the message names the tokenizer's directory
     try:
         state = {k: v.float() if v.is_floating_point() else v for k, v in load_file(hf_dir / WEIGHTS_FILE).items()}
     except (SafetensorError, OSError) as e:
@@ -166,12 +184,24 @@ def import_hf(hf_dir: str | Path, run_dir: str | Path, overwrite: bool = False, 
         raise RunError(f"{hf_dir / WEIGHTS_FILE}: lm_head.weight is not model.embed_tokens.weight: an untied head")
     check_state_dict(state, model, hf_dir / WEIGHTS_FILE)  # names the first missing, extra or mis-shaped key
     model.load_state_dict(state, strict=True)
+    return model, tok
+
+
+def import_hf(hf_dir: str | Path, run_dir: str | Path, overwrite: bool = False,
+              allow_other_files: bool = False) -> Path:
+    """A run directory for `chat` and `sft --init` from a transformers directory the course can
+    express; returns it."""
+    out = check_target(run_dir, "--out")
+    model, tok = read_hf(hf_dir)
+    run_cfg = {"format": RUN_FORMAT, "version": RUN_VERSION, "stage": "import",
+               "model_preset": None, "model": model.config.to_dict(), "train": None,
+               "source": str(Path(hf_dir).resolve()),
+               "tokenizer": {"fingerprint": tokenizer_fingerprint(tok),
+                             "vocab_size": tok.vocab_size}}
     with exclusive_dir(out):  # the lock a training run holds: never two writers in one run directory
-        check_out_dir(out, resume=False, overwrite=overwrite, resumable=False)  # only now is anything written
-        check_other_files(out, (*RUN_FILES, TOKENIZER_DIR), allow_other_files)
-        save_checkpoint(model, out / MODEL_FILE)  # first, whole or not at all: a run it replaces is intact till then
-        start_run_dir(out, {"format": RUN_FORMAT, "version": RUN_VERSION, "stage": "import", "model_preset": None,
-                            "model": mcfg.to_dict(), "train": None, "source": str(hf_dir.resolve()), "tokenizer":
-                            {"fingerprint": tokenizer_fingerprint(tok), "vocab_size": tok.vocab_size}}, tok,
-                      resume=False, keep=(MODEL_FILE,))
+        check_out_dir(out, resume=False, overwrite=overwrite, resumable=False)  # nothing written
+        ours = (*RUN_FILES, TOKENIZER_DIR)
+        check_other_files(out, ours, allow_other_files, replaced=(MODEL_FILE,))
+        save_checkpoint(model, out / MODEL_FILE)  # first, whole or not: a replaced run stays whole
+        start_run_dir(out, run_cfg, tok, resume=False, keep=(MODEL_FILE,))
     return out

@@ -19,6 +19,38 @@ except ImportError:  # Windows: no advisory locks; a second run into the same di
 # Every file this program leaves beside a user's starts with PREFIX: never mistaken for theirs, nor removed as ours.
 PREFIX = ".minimind-"
 LOCK_FILE, TMP_PREFIX = PREFIX + "lock", PREFIX + "tmp."
+# What an OSError's errno means and what to do: the commands' error line, never a bare [Errno N]
+ADVICE = {
+    errno.EACCES: "permission denied: this user may not write (or read) there; choose another "
+                  "folder or change its permissions",
+    errno.EROFS: "the file system is read-only: choose a folder on a writable disk",
+    errno.EISDIR: "is a folder where a file is needed: move it away or choose another path",
+    errno.ENOSPC: "no space left on the disk: free some space or choose another disk",
+    errno.EDQUOT: "the disk quota is exceeded: free some space or choose another disk",
+    errno.EFBIG: "the file-size limit (ulimit -f) was reached",
+    errno.ENAMETOOLONG: "the name is too long for the file system",
+}
+ADVICE[errno.EPERM] = ADVICE[errno.EACCES]
+
+
+def explain(error: BaseException) -> str:
+    """An error as one line naming the path and what to do: an OSError's errno in words (ADVICE),
+    else its text."""
+    if not isinstance(error, OSError) or error.errno not in ADVICE:
+        return str(error)
+    if error.filename is None:  # no path to name: the system's words, then what to do
+        return f"{error.strerror}: {ADVICE[error.errno]}"
+    return f"{os.fsdecode(error.filename)}: {ADVICE[error.errno]}"
+
+
+def check_utf8_path(path: str | os.PathLike, flag: str) -> None:
+    """Refuse a path whose name is not UTF-8 text: a run's JSON files record it, text only."""
+    try:
+        os.fsdecode(path).encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"{flag} {os.fsencode(path)!r}: the name holds bytes that are not UTF-8 "
+                         f"text, which the run's JSON files cannot record; choose a name in "
+                         f"UTF-8") from None
 
 
 @contextlib.contextmanager
@@ -27,7 +59,11 @@ def atomic_open(path: str | os.PathLike, mode: str = "wb", encoding: str | None 
     if mode not in ("w", "wb"):
         raise ValueError(f"atomic_open writes whole files: mode must be 'w' or 'wb', got {mode!r}")
     (path := Path(path)).parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f"{TMP_PREFIX}{path.name}.", suffix=".tmp")
+    prefix = f"{TMP_PREFIX}{path.name}."
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=prefix, suffix=".tmp")
+    except OSError as e:  # a read-only folder: name the file to write, not the temp file's
+        raise type(e)(e.errno, e.strerror, str(path)) from None
     try:
         with os.fdopen(fd, mode, encoding=encoding if mode == "w" else None) as f:
             yield f

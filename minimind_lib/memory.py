@@ -1,9 +1,20 @@
-"""Memory, built in notebook 03_model: measure it (MemoryMeter, CUDA and CPU), impose a budget, predict it.
+"""Memory, built in notebook 03_model: measure it (MemoryMeter, CUDA and CPU), impose a budget,
+predict it.
 
-CUDA's allocator counts exactly. On a CPU (or MPS), inside ``with meter.track(...)``, a TorchDispatchMode adds each
-new storage an op outputs and subtracts it when a weakref says it is freed; tensors that existed before are found by
-walking the objects passed to ``track``. Live tensor bytes, as ``torch.cuda.memory_allocated`` counts them, not RSS.
-Unseen: scratch memory inside a kernel, and tensors created outside ``track`` that were not passed to it."""
+CUDA's and MPS's allocators count exactly. On a CPU, inside ``with meter.track(...)``, a
+TorchDispatchMode adds each new storage an op outputs and subtracts it when a weakref says it is
+freed; tensors that existed before are found by walking the objects passed to ``track``. Live tensor
+bytes, as ``torch.cuda.memory_allocated`` counts them, not RSS. Unseen: scratch memory inside a
+kernel, and tensors created outside ``track`` that were not passed to it.
+
+What the batch controller of notebook 06 decides on (``peak_in_use``, ``end_window``): memory the
+allocator cannot give back. Its cache can: before an out-of-memory error the CUDA allocator frees
+its unused cached blocks and retries, so reserved memory, which falls only on ``empty_cache()``,
+stays at its highest after a shrink and would make every later check shrink again. A step's peak is
+its allocated peak plus the split blocks that fragmentation holds (free parts of segments still in
+use, which no retry can free); the CUDA context and other processes are read from the driver once
+per decision. MPS keeps no peak: at each decision its cache is released, so the driver's allocation
+until the next one is that window's high-water mark."""
 
 import contextlib
 import weakref
@@ -15,7 +26,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from .model import MiniMindForCausalLM, count_parameters, lm_loss
+from . import device as device_module
+from .model import MiniMindForCausalLM, chunked_lm_loss, count_parameters, lm_loss
 
 class OutOfMemory(torch.OutOfMemoryError):
     """Raised when tracked live bytes exceed a MemoryMeter's budget: a torch.OutOfMemoryError, as a GPU raises."""
@@ -45,13 +57,15 @@ class _LiveBytes(TorchDispatchMode):
 
 
 class MemoryMeter:
-    """Current and peak memory of one device; on CPU measured inside ``with meter.track(model, optimizer):``.
-    budget_bytes: on CUDA a per-process memory fraction (the allocator raises torch.OutOfMemoryError); on CPU the
-    first op whose output takes the tracked live bytes over it raises ``OutOfMemory``."""
+    """Current and peak memory of one device; on CPU measured inside ``with meter.track(model,
+    optimizer):``. budget_bytes: on CUDA and MPS a per-process memory fraction (the allocator raises
+    torch.OutOfMemoryError); on CPU the first op whose output takes the tracked live bytes over it
+    raises ``OutOfMemory``."""
 
     def __init__(self, device: torch.device | str = "cpu", budget_bytes: int | None = None):
         self.device = torch.device(device)
         self.is_cuda = self.device.type == "cuda"
+        self.counted_by_allocator = self.device.type in ("cuda", "mps")  # no per-op dispatch mode
         if self.is_cuda and self.device.index is None:  # set_per_process_memory_fraction needs an index
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.budget_bytes, self._current, self._peak = None, 0, 0
@@ -65,12 +79,15 @@ class MemoryMeter:
             raise ValueError(f"budget_bytes must be positive or None, got {budget_bytes}")
         had_budget = self.budget_bytes is not None
         self.budget_bytes = budget_bytes
-        # On CUDA the allocator enforces it. Lifting touches the device only when this meter had set a cap, so a
-        # meter never undoes a cap set elsewhere (notebook 00's emulated smaller GPU, another meter).
-        if self.is_cuda and (budget_bytes is not None or had_budget):
-            total = torch.cuda.get_device_properties(self.device).total_memory
+        # On CUDA and MPS the allocator enforces it. Lifting touches the device only when this
+        # meter had set a cap: a meter never undoes a cap set elsewhere (notebook 00's smaller GPU).
+        if self.counted_by_allocator and (budget_bytes is not None or had_budget):
+            total = device_module.total_memory_bytes(self.device)
             fraction = 1.0 if budget_bytes is None else min(1.0, budget_bytes / total)
-            torch.cuda.set_per_process_memory_fraction(fraction, self.device)
+            if self.is_cuda:
+                torch.cuda.set_per_process_memory_fraction(fraction, self.device)
+            else:
+                torch.mps.set_per_process_memory_fraction(fraction)
 
     def _add(self, t: torch.Tensor) -> None:
         if t.device.type != self.device.type or t.is_sparse:
@@ -99,14 +116,17 @@ class MemoryMeter:
 
     @contextlib.contextmanager
     def track(self, *objs: Any) -> Iterator["MemoryMeter"]:
-        """Measure the code inside; `objs` (model, optimizer, batch) are walked first so they count: pass them on
-        every call, as new gradients and optimizer states may exist since the last. On CUDA the allocator counts."""
-        if not self.is_cuda:  # count the tensors that exist already: parameters, gradients, optimizer states, batch
-            before = self._current
-            for t in _tensors_of(objs):
-                self._add(t)
-            self._check_budget(before, "registered tensors need")
-        with contextlib.nullcontext() if self.is_cuda else _LiveBytes(self):
+        """Measure the code inside; `objs` (model, optimizer, batch) are walked first so they count:
+        pass them on every call, as new gradients and optimizer states may exist since the last. On
+        CUDA and MPS the allocator counts: nothing runs per op."""
+        if self.counted_by_allocator:
+            yield self
+            return
+        before = self._current  # tensors that exist already: parameters, gradients, states, batch
+        for t in _tensors_of(objs):
+            self._add(t)
+        self._check_budget(before, "registered tensors need")
+        with _LiveBytes(self):
             yield self
 
     def reset_peak(self) -> None:
@@ -116,11 +136,16 @@ class MemoryMeter:
             torch.cuda.reset_peak_memory_stats(self.device)
 
     def current(self) -> int:
-        """Bytes live now (CUDA: allocated; CPU: tracked live tensor bytes)."""
+        """Bytes live now (CUDA, MPS: allocated by tensors; CPU: tracked live tensor bytes)."""
+        if self.device.type == "mps":
+            return torch.mps.current_allocated_memory()
         return torch.cuda.memory_allocated(self.device) if self.is_cuda else self._current
 
     def peak(self) -> int:
-        """Highest current() since the last reset_peak()."""
+        """Highest current() since the last reset_peak() (MPS keeps no peak: its driver's
+        allocation, cache included, which is at least that)."""
+        if self.device.type == "mps":
+            return torch.mps.driver_allocated_memory()
         return torch.cuda.max_memory_allocated(self.device) if self.is_cuda else self._peak
 
     def peak_reserved(self) -> int:
@@ -129,15 +154,26 @@ class MemoryMeter:
         return torch.cuda.max_memory_reserved(self.device) if self.is_cuda else self.peak_in_use()
 
     def peak_in_use(self) -> int:
-        """The peak an OOM depends on, since reset_peak() (the controller's checks). CUDA: the allocator's peak
-        reserved bytes (its cache, fragmented by batches whose shape changes every step) plus what else holds the card
-        (driver-used memory minus reserved: the CUDA context, other processes); allocated bytes, peak(), miss both and
-        can read 70% of a full card. MPS: the driver's allocation (no peak kept). CPU: peak()."""
+        """The peak an OOM depends on since reset_peak(), without the driver (read per step: no
+        device call). CUDA: allocated plus the fragmentation that holds memory no retry frees (the
+        allocator's peak inactive split blocks), not reserved bytes (its cache, freed before an
+        OOM). MPS: the driver's allocation (end_window releases the cache). CPU: peak()."""
         if self.is_cuda:
-            free, total = torch.cuda.mem_get_info(self.device)
-            outside = total - free - torch.cuda.memory_reserved(self.device)  # context + other processes
-            return torch.cuda.max_memory_reserved(self.device) + max(outside, 0)
-        return torch.mps.driver_allocated_memory() if self.device.type == "mps" else self.peak()
+            split = torch.cuda.memory_stats(self.device).get("inactive_split_bytes.all.peak", 0)
+            return torch.cuda.max_memory_allocated(self.device) + split
+        return self.peak()
+
+    def end_window(self) -> int:
+        """At a controller's decision point: the bytes that others hold on the device (CUDA: the
+        context and other processes, the driver's used memory minus this process's reserved; one
+        driver call). MPS: the cache is released, so that the driver's count restarts at the live
+        tensors (returns 0). CPU: 0."""
+        if self.device.type == "mps":
+            torch.mps.empty_cache()
+        if not self.is_cuda:
+            return 0
+        free, total = torch.cuda.mem_get_info(self.device)
+        return max(total - free - torch.cuda.memory_reserved(self.device), 0)
 
     def __repr__(self) -> str:
         return (f"MemoryMeter(device={self.device}, current={_fmt(self.current())}, peak={_fmt(self.peak())}, "
@@ -176,29 +212,38 @@ def _check_step_args(batch_size: int, seq_len: int, amp: str, optimizer: str, ac
 
 
 def estimate_memory(config, batch_size: int, seq_len: int, amp: str = "off", optimizer: str = "adamw",
-                    accum_steps: int = 1, logits_held: bool = True) -> dict:
-    """Predict the bytes of one training step (fwd + bwd + optimizer) of a MiniMind model, analytically.
+                    accum_steps: int = 1, logits_held: bool = True, loss_chunk: int = 0) -> dict:
+    """Predict the bytes of one training step (fwd + bwd + optimizer) of a MiniMind model,
+    analytically.
 
-    Counts (N = batch_size*seq_len tokens, C hidden, F ffn width, V vocab, P parameters, s = activation bytes):
+    Counts (N = batch_size*seq_len tokens, C hidden, F ffn width, V vocab, P parameters, s =
+    activation bytes):
     - params 4P (fp32 master weights) and the RoPE tables 2 * max_pos * head_dim * 4; grads 4P;
-      AdamW's exp_avg and exp_avg_sq 8P (SGD 0, momentum 4P). Under autocast add 2P of low-precision weight copies.
-    - activations saved for backward, per layer (read off the forward code with saved_tensors_hooks): each of the
-      two RMSNorms saves its input x and the normalised x (fp32, for the gain's gradient), and the projection after
-      it saves the norm's output (s bytes): 2 * (4 + 4 + s) NC; attention saves q, the repeated k and v and its
-      output (4NC * s; k and v are N*n_kv*D each when not repeated); SwiGLU saves gate, silu(gate), up and their
-      product (4NF * s). The final norm adds (4 + 4 + s) NC. Mixture of experts (E of width F, k per token): P holds all
-      E; N*k routed rows save 4F, input and output (2C at s, 3C under autocast) and index_add's fp32 copy (4C) each.
-    - the head: the logits (NV * s, when the caller holds them until backward: logits_held, as notebook 03's step;
-      the library's accumulate_step does not), cross-entropy's fp32 log-softmax (4NV), and at the start of backward
-      the gradients of the log-probs and of the logits (2 * 4NV) while those still live.
-    - accumulation (accum_steps > 1, batch_size rows per micro-batch): micro-batches 2..k start their backward with
-      the gradients of the earlier ones held (4P).
-    The peak is the larger of: the start of backward (params + buffers + optimizer states of earlier steps +
-    activations + head, + grads when accumulating), and the optimizer step (params + grads + states). Ignored:
-    kernel workspaces, the allocator's rounding, transients inside backward, small bookkeeping tensors (RMSNorm's
-    rsqrt, attention's logsumexp). fp32 is checked against MemoryMeter counts in tests/test_memory.py (within 1-3%
-    for the presets); under autocast the count is rougher (3-8% low at large batches: some CPU ops keep fp32
-    activations)."""
+      AdamW's exp_avg and exp_avg_sq 8P (SGD 0, momentum 4P). Under autocast add 2P of low-precision
+      weight copies.
+    - activations saved for backward, per layer (read off the forward code with
+      saved_tensors_hooks): each of the two RMSNorms saves its input x and the normalised x (fp32,
+      for the gain's gradient), and the projection after it saves the norm's output (s bytes): 2 *
+      (4 + 4 + s) NC; attention saves q, the repeated k and v and its output (4NC * s; k and v are
+      N*n_kv*D each when not repeated); SwiGLU saves gate, silu(gate), up and their product (4NF *
+      s). The final norm adds (4 + 4 + s) NC. Mixture of experts (E of width F, k per token): P
+      holds all E; N*k routed rows save 4F, input and output (2C at s, 3C under autocast) and
+      index_add's fp32 copy (4C) each.
+    - the head: the logits (NV * s, when the caller holds them until backward: logits_held, as
+      notebook 03's step; the library's accumulate_step does not), cross-entropy's fp32 log-softmax
+      (4NV), and at the start of backward the gradients of the log-probs and of the logits (2 * 4NV)
+      while those still live. With loss_chunk (the chunked linear + cross-entropy,
+      model.chunked_lm_loss): one chunk's logits, fp32 (4cV, and the autocast output cV * s), the
+      gradients of the hidden states and of the head it keeps (4NC, 4VC) and the head's transient
+      (VC * (4 + s)).
+    - accumulation (accum_steps > 1, batch_size rows per micro-batch): micro-batches 2..k start
+      their backward with the gradients of the earlier ones held (4P). The peak is the larger of:
+      the start of backward (params + buffers + optimizer states of earlier steps + activations +
+      head, + grads when accumulating), and the optimizer step (params + grads + states). Ignored:
+      kernel workspaces, the allocator's rounding, transients inside backward, small bookkeeping
+      tensors (RMSNorm's rsqrt, attention's logsumexp). fp32 is checked against MemoryMeter counts
+      in tests/test_memory.py (within 1-3% for the presets); under autocast the count is rougher
+      (3-8% low at large batches: some CPU ops keep fp32 activations)."""
     _check_step_args(batch_size, seq_len, amp, optimizer, accum_steps)
     c, n, s = config, batch_size * seq_len, _AMP_BYTES[amp]
     C, F, V, L, kv = c.hidden_size, c.intermediate_size, c.vocab_size, c.num_hidden_layers, c.num_key_value_heads * c.head_dim
@@ -217,6 +262,9 @@ def estimate_memory(config, batch_size: int, seq_len: int, amp: str = "off", opt
         n * k * ((4 * Fe + (2 if amp == "off" else 3) * C) * s + 4 * C) + n * (4 * E + 36 * k + 4))
     activations = L * (2 * norm_saved + qk_saved + (2 * n * C + kv_saved) * s + ffn_saved) + norm_saved
     head = n * V * (s if logits_held else 0) + n * V * 4 + 2 * n * V * 4
+    if loss_chunk:
+        extra = 0 if amp == "off" else s  # under autocast the matmul's output, before its fp32 copy
+        head = min(loss_chunk, n) * V * (4 + extra) + 4 * n * C + 4 * V * C + V * C * (4 + extra)
     backward_start = params + buffers + opt_states + amp_weight_copies + activations + head
     backward_start += grads if accum_steps > 1 else 0
     return {"params_bytes": params, "buffers_bytes": buffers, "grads_bytes": grads, "optimizer_bytes": opt_states,
@@ -225,9 +273,24 @@ def estimate_memory(config, batch_size: int, seq_len: int, amp: str = "off", opt
             "n_active_params": P - L * (E - k) * 3 * C * Fe}  # those a token's forward uses (MoE: k of E experts)
 
 
+def plan_micro_batches(config, seq_len: int, rows_per_step: int, budget_bytes: int,
+                       amp: str = "bf16", loss_chunk: int = 0) -> tuple[int, int]:
+    """(rows per micro-batch, micro-batches per step) for a step of rows_per_step full rows: the
+    fewest micro-batches (fewer launches, one optimizer step's overhead shared by more rows) whose
+    step estimate_memory puts within budget_bytes; the rows split evenly, so the micro-batch count
+    divides rows_per_step."""
+    for k in (k for k in range(1, rows_per_step + 1) if rows_per_step % k == 0):
+        est = estimate_memory(config, rows_per_step // k, seq_len, amp, accum_steps=k,
+                              logits_held=False, loss_chunk=loss_chunk)
+        if est["peak_bytes"] <= budget_bytes:
+            return rows_per_step // k, k
+    raise ValueError(f"budget_bytes={budget_bytes}: not even one row of {seq_len} tokens fits")
+
+
 def measure_step_memory(config, batch_size: int, seq_len: int, amp: str = "off", optimizer: str = "adamw",
                         device: torch.device | str = "cpu", fake: bool = False, seed: int = 0,
-                        accum_steps: int = 1, logits_held: bool = True) -> dict:
+                        accum_steps: int = 1, logits_held: bool = True,
+                        loss_chunk: int = 0) -> dict:
     """Measure one steady-state training step (fwd + bwd + optimizer step) of a fresh model with a MemoryMeter.
     fake=True runs on FakeTensors (storages without arithmetic or real memory): the same count, for sizes this machine
     cannot hold. amp autocasts the forward (a GradScaler would not change memory). accum_steps micro-batches of
@@ -251,8 +314,13 @@ def measure_step_memory(config, batch_size: int, seq_len: int, amp: str = "off",
             for _ in range(accum_steps):  # the same rows each time: only their count matters here
                 with torch.autocast(device.type, dtype=torch.float16 if amp == "fp16" else torch.bfloat16,
                                     enabled=amp != "off"):
-                    logits = model(x).logits
-                loss = lm_loss(logits, x) / accum_steps
+                    if loss_chunk:  # the chunked linear + cross-entropy: no logits at all
+                        hidden = model.model(x)[0]
+                        loss = chunked_lm_loss(hidden, model.lm_head.weight, x, loss_chunk)
+                        logits = None
+                    else:
+                        logits = model(x).logits
+                loss = loss / accum_steps if loss_chunk else lm_loss(logits, x) / accum_steps
                 logits = logits if logits_held else None  # not held: only the graph keeps what backward needs
                 loss.backward()
                 del logits, loss

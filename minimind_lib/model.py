@@ -14,16 +14,21 @@ from functools import cache
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+from torch.nn.attention import flex_attention  # the module: tests may stand in for its functions
+from torch.nn.attention.flex_attention import BlockMask
 
 IGNORE_INDEX = -100  # the label of a position whose next token is not trained (PyTorch CE's ignore_index)
 
 
 # ---- Configuration
+MAX_POSITIONS = 2**17  # the rotary tables: 2 x head_dim floats a position, 128 MB at head_dim 128
 FIELD_RULES = {  # every field's rule, checked wherever a config is built: presets, notebooks, config.json, import-hf
     **dict.fromkeys(("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size",
-                     "max_position_embeddings", "num_experts", "num_experts_per_tok"),
+                     "num_experts", "num_experts_per_tok"),
                     (lambda v: type(v) is int and v > 0, "a positive integer")),  # type(): True is no size
+    "max_position_embeddings": (
+        lambda v: type(v) is int and 0 < v <= MAX_POSITIONS,
+        f"a positive integer <= {MAX_POSITIONS} (the rotary tables hold a row per position)"),
     **dict.fromkeys(("intermediate_size", "head_dim", "moe_intermediate_size"),  # None: derived from the others
                     (lambda v: v is None or type(v) is int and v > 0, "a positive integer (or None)")),
     **dict.fromkeys(("rope_theta", "rms_norm_eps"),  # the comparisons refuse nan
@@ -148,8 +153,8 @@ def precompute_freqs_cis(head_dim: int, end: int, theta: float = 1e6,
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     """(x1, x2) -> (-x2, x1) on the two halves of the last dimension."""
-    half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat([-second, first], dim=-1)
 
 
 def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -208,9 +213,14 @@ def build_attention_mask(attention_mask: torch.Tensor | None, batch: int, q_len:
     return attention_mask | (keys == queries)  # pad rows attend to themselves
 
 
-# Packed documents through FlexAttention (notebook 06 builds the BlockMask: batching.document_mask): compiled once, as
-# eager FlexAttention builds every score; a CPU has no FlexAttention backward in torch 2.13 (forward only, eager).
-_compiled_flex_attention = cache(lambda: torch.compile(flex_attention))
+@cache
+def flex_attention_for(device_type: str):
+    """FlexAttention as the model runs it on a device type (notebook 06 builds its BlockMask:
+    batching.document_mask): compiled on CUDA, once (eager FlexAttention materialises every score);
+    eager elsewhere (a CPU has only its forward in torch 2.13)."""
+    if device_type == "cuda":
+        return torch.compile(flex_attention.flex_attention)
+    return flex_attention.flex_attention
 
 
 class Attention(nn.Module):
@@ -242,8 +252,9 @@ class Attention(nn.Module):
             k, v = torch.cat([past_key_value[0], k], dim=1), torch.cat([past_key_value[1], v], dim=1)
         present = (k, v) if use_cache else None
         if isinstance(mask, BlockMask):  # packed documents through FlexAttention (no dropout: MiniMind's is 0)
-            flex = _compiled_flex_attention() if x.device.type == "cuda" else flex_attention
-            y = flex(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=mask, enable_gqa=self.n_rep > 1)
+            flex = flex_attention_for(x.device.type)
+            y = flex(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=mask,
+                     enable_gqa=self.n_rep > 1)
             return self.resid_dropout(self.o_proj(y.transpose(1, 2).reshape(b, t, -1))), present
         # (B, H, T, D) for SDPA; the kv heads are repeated to match the query heads.
         q, k, v = q.transpose(1, 2), repeat_kv(k, self.n_rep).transpose(1, 2), repeat_kv(v, self.n_rep).transpose(1, 2)
@@ -332,8 +343,9 @@ class MiniMindModel(nn.Module):
         b, t = input_ids.shape
         past_len = past_key_values[0][0].shape[1] if past_key_values else 0
         # Real CPU tensors only: on a GPU a check would stall the host every forward (packed rows' positions come from
-        # the collate, on the CPU); fake tensors hold no values.
-        on_cpu = lambda ids: type(ids) is torch.Tensor and ids.device.type == "cpu"  # noqa: E731
+        # the collate, on the CPU); fake tensors hold no values; a compiled graph would break there.
+        on_cpu = lambda ids: (type(ids) is torch.Tensor and ids.device.type == "cpu"  # noqa: E731
+                              and not torch.compiler.is_compiling())
         if position_ids is None:
             if past_len + t > self.config.max_position_embeddings:
                 raise ValueError(f"sequence of {past_len + t} tokens exceeds max_position_embeddings="
@@ -379,6 +391,56 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean")
     targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX).reshape(-1)
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets, ignore_index=IGNORE_INDEX,
                            reduction=reduction)
+
+
+class LinearCrossEntropy(torch.autograd.Function):
+    """Summed cross-entropy of (hidden @ weight.T) over targets, `chunk` rows at a time: each
+    chunk's fp32 logits become their gradient (softmax - one-hot) in place and are folded into the
+    gradients of hidden and weight at once, so neither the (N, V) logits nor their gradient ever
+    exist whole and backward only scales."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                chunk: int) -> torch.Tensor:
+        loss = torch.zeros((), device=hidden.device, dtype=torch.float32)
+        grad_hidden, grad_weight = torch.empty_like(hidden), torch.zeros_like(weight)
+        for start in range(0, hidden.shape[0], chunk):  # a chunk's logits die with its call
+            rows = slice(start, start + chunk)
+            loss += LinearCrossEntropy.chunk(hidden[rows], weight, targets[rows], grad_hidden[rows],
+                                             grad_weight)
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        return loss
+
+    @staticmethod
+    def chunk(h: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, grad_h: torch.Tensor,
+              grad_weight: torch.Tensor) -> torch.Tensor:
+        """One chunk's summed loss; its gradients written into grad_h and added into grad_weight."""
+        trained = (y != IGNORE_INDEX)[:, None]  # a mask, not an index: no host read on a GPU
+        logits = (h @ weight.T).float()  # autocast: the matmul in its dtype; the softmax in fp32
+        lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+        picked = logits.gather(1, y.clamp(min=0)[:, None])
+        one_hot = -torch.ones_like(picked)
+        grad = logits.sub_(lse).exp_().scatter_add_(1, y.clamp(min=0)[:, None], one_hot)
+        grad = grad.mul_(trained).to(weight.dtype)  # untrained positions: no loss, no gradient
+        grad_h.copy_(grad @ weight)
+        grad_weight += (grad.T @ h).to(weight.dtype)
+        return ((lse - picked) * trained).sum()
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        return grad_hidden * grad_loss, grad_weight * grad_loss, None, None
+
+
+def chunked_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                    chunk: int) -> torch.Tensor:
+    """lm_loss(hidden @ weight.T, labels, reduction="sum") without the (B, T, V) logits: the head
+    and the loss `chunk` positions at a time (LinearCrossEntropy); equal up to float rounding,
+    gradients too."""
+    if chunk < 1:
+        raise ValueError(f"chunk={chunk}: must be >= 1 positions")
+    targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX).reshape(-1)
+    return LinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, targets, chunk)
 
 
 class MiniMindForCausalLM(nn.Module):

@@ -77,6 +77,8 @@ class RunSettings:
     val_data: Any = None
     val_batches: int = 4
     amp: str = "auto"  # "auto" | "bf16" | "fp16" | "off"
+    compile: bool | None = None  # torch.compile the model's trunk (None: the profile's; not DDP)
+    loss_chunk: int | None = None  # positions per chunk of the chunked loss (0: off; not DDP)
     device: Any = None
     cache_dir: Any = None  # memmap cache (default: beside OUT)
     resume: bool = False
@@ -148,10 +150,11 @@ def resolve_settings(s: RunSettings, prof: Profile) -> RunSettings:
         data=Path(s.data) if s.data is not None else find_data_file(KIND[s.stage]),
         sample_every=given(s.sample_every, max(eval_every, -(-given(s.steps, steps) // 4))),
         lora_rank=8 if s.stage == "lora" and s.lora_rank is None else s.lora_rank,
-        sample_prompts=tuple(DEFAULT_SAMPLE_PROMPTS if s.sample_prompts is None else s.sample_prompts))
+        sample_prompts=tuple(given(s.sample_prompts, DEFAULT_SAMPLE_PROMPTS)),
+        compile=given(s.compile, prof.compile), loss_chunk=given(s.loss_chunk, prof.loss_chunk))
     for name, low in (("seq_len", 1), ("max_tokens", 1), ("accum_steps", 1), ("steps", 1), ("eval_every", 1),
                       ("ckpt_every", 1), ("val_batches", 1), ("max_samples", 0), ("stop_after", 1),
-                      ("sample_every", 0), ("lora_rank", 1)):
+                      ("sample_every", 0), ("lora_rank", 1), ("loss_chunk", 0)):
         value = getattr(s if name == "max_samples" else r, name)  # r.max_samples: None means "all"
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
             raise RunError(f"{name}={value!r}: must be an integer >= {low}")
@@ -172,7 +175,7 @@ def train_config(s: RunSettings) -> TrainConfig:
     log_every = math.gcd(CHECK_EVERY, s.eval_every, s.ckpt_every, s.sample_every or 0, s.stop_after or 0)
     return TrainConfig(lr=s.lr, max_steps=s.steps, accum_steps=s.accum_steps, warmup_steps=max(1, s.steps // 10),
                        amp=s.amp, eval_every=s.eval_every, ckpt_every=s.ckpt_every, ckpt_dir=str(s.out), seed=s.seed,
-                       progress=s.progress, log_every=log_every)
+                       progress=s.progress, log_every=log_every, loss_chunk=s.loss_chunk)
 
 
 # ----------------------------------------------------------------------------------- checks before writing
@@ -180,9 +183,6 @@ def _inputs(s: RunSettings, prof: Profile, device: torch.device) -> tuple[Any, M
     """(tokenizer, model config, preset, SFT's initial weights): every input checked before anything is written."""
     check_target(s.out or "", "--out")  # not '' (Path("") is ".") nor the working directory: a run is a folder
     check_loggers(s.loggers, s.out)
-    if device.type in ("cuda", "mps") and not getattr(torch, device.type).is_available():
-        raise RunError(f"device {device} is not available on this machine (torch {torch.__version__}); pass "
-                       f"--device cpu or leave --device out to use the best one present")
     for what, path in (("data", s.data), ("validation data", s.val_data)):
         if path is not None and not Path(path).is_file():
             raise FileNotFoundError(f"{what} file not found: {path}"
@@ -221,6 +221,7 @@ def _run_config(s: RunSettings, prof: Profile, preset: str | None, mcfg: MiniMin
             "lora": lora if s.lora_rank else None,
             "dpo": {"beta": s.beta} if s.stage == "dpo" else None,
             "amp": {"mode": s.amp, "resolved": amp.name, "reason": amp.reason}, "torch": torch.__version__,
+            "compile": {"trunk": s.compile, "row_multiple": prof.row_multiple if s.compile else 1},
             **({"world_size": dinfo.world_size} if dinfo is not None else {})}
 
 
@@ -361,6 +362,8 @@ def _model(s: RunSettings, mcfg: MiniMindConfig, init_state: dict | None,
         reference.load_state_dict(init_state)
     if s.lora_rank:
         apply_lora(model, s.lora_rank, s.lora_alpha)
+    if s.compile:  # the trunk (norms, RoPE, SwiGLU fused); the chunked loss stays eager
+        model.model.compile()
     return model, DPO(reference, s.beta) if reference is not None else None
 
 
@@ -372,6 +375,8 @@ def _run(s: RunSettings, dinfo: Any = None) -> RunResult:
     prof = s.profile if isinstance(s.profile, Profile) else get_profile(s.profile)
     device = dinfo.device if dinfo is not None else get_device(s.device)
     s = resolve_settings(s, prof)
+    if dinfo is not None:  # DDP syncs gradients through its wrapper's forward: the model as written
+        s = replace(s, compile=False, loss_chunk=0)
     tok, mcfg, preset, init_state = _inputs(s, prof, device)
     out = Path(s.out)
     with exclusive_dir(out) if main else contextlib.nullcontext(), contextlib.ExitStack() as stack:
@@ -389,8 +394,11 @@ def _run(s: RunSettings, dinfo: Any = None) -> RunResult:
         if n_held_out is not None:
             run_cfg["sft_val_holdout"] = n_held_out
         # 3. the controller (under DDP every rank would have to agree on each change of size: none)
-        controller = None if dinfo is not None else make_controller(
-            device, s.max_tokens, s.seq_len, tok.pad_token_id, COLLATE[s.stage])
+        controller = None
+        if dinfo is None:
+            multiple = prof.row_multiple if s.compile else 1  # compiled: a few row lengths
+            controller = make_controller(device, s.max_tokens, s.seq_len, tok.pad_token_id,
+                                         COLLATE[s.stage], multiple)
         model, objective = _model(s, mcfg, init_state, device)
         if main:  # a resumed run that never checkpointed starts afresh (same settings, checked above)
             start_run_dir(out, run_cfg, tok, saved_state is not None)

@@ -10,12 +10,15 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 from . import distributed as D
 from .batching import AdaptiveBatchController, TokenBudgetBatchSampler, TokenBudgetSteps
 from .checkpoint import RunError
-from .data import holdout_split, memmap_dataset, pad_collate, pair_collate
+from .checks import require
+from .corpus import JsonlReader
+from .data import holdout_split, memmap_dataset, pad_collate, pair_collate, trained_tokens
 from .device import total_memory_bytes
 from .memory import MemoryMeter
 
@@ -43,16 +46,20 @@ def train_steps(ds: Any, s: Any, dinfo: Any = None):
 
 
 def make_controller(device: torch.device, max_tokens: int, seq_len: int, pad_id: int,
-                    collate: Callable = pad_collate) -> AdaptiveBatchController:
+                    collate: Callable = pad_collate,
+                    row_multiple: int = 1) -> AdaptiveBatchController:
     """Notebook 06's controller: on CUDA and MPS its memory checks read MemoryMeter.peak_in_use
     (what an OOM depends on) against the device's memory, elsewhere OOM recovery only (a CPU's RAM
-    has no limit a process sees coming)."""
+    has no limit a process sees coming); rows padded to a multiple of row_multiple (a compiled
+    model's few shapes)."""
     meter = MemoryMeter(device) if device.type in ("cuda", "mps") else None
     if meter is not None:  # the checks' threshold only; the allocator keeps its limit
         meter.budget_bytes = total_memory_bytes(device)
     return AdaptiveBatchController(max_tokens=max_tokens, seq_len=seq_len, meter=meter,
                                    check_every=CHECK_EVERY, pin_memory=device.type == "cuda",
-                                   collate_fn=partial(collate, pad_id=pad_id))
+                                   collate_fn=partial(collate, pad_id=pad_id,
+                                                      multiple=row_multiple),
+                                   row_multiple=row_multiple)
 
 
 def datasets(s: Any, tok: Any, dinfo: Any,
@@ -83,12 +90,35 @@ def datasets(s: Any, tok: Any, dinfo: Any,
         if kind == "dpo":
             val_ds.check_replies(s.val_data)
     elif kind != "pretrain":  # no validation file: hold out a fixed 5% of the conversations (pairs)
+        check_holdout(ds, s)
         ds, val_ds = holdout_split(ds, s.seed)
         n_held_out = len(val_ds)
     val = None
     if val_ds is not None:
         val = validation_batches(val_ds, s.max_tokens, s.seq_len, tok.pad_token_id, s.val_batches,
                                  COLLATE[s.stage])
+    require(val is None or any(trained_tokens(b["labels"]) for b in val),
+            f"{s.val_data or s.data}: its first {s.val_batches} validation batch(es) hold no "
+            f"trained token within seq_len={s.seq_len} (their answers start later): raise "
+            f"--seq-len or --val-batches", RunError)
     if dinfo is not None and main:
         D.barrier()  # the caches are complete: the other ranks may open them
     return ds, val, n_held_out
+
+
+def check_holdout(ds: Any, s: Any) -> None:
+    """Refuse, before anything is written, an SFT file with too few conversations that train a
+    token within seq_len to hold 5% of them out and still train: name the rows, why, what to do."""
+    trains, n_held = ds.trained_counts > 0, max(1, len(ds) // 20)
+    if int(trains.sum()) > n_held:
+        return
+    idle = np.flatnonzero(~trains)
+    reader = JsonlReader(s.data, on_error=s.on_error, kind=KIND[s.stage], max_samples=s.max_samples)
+    lines = [reader.n_lines for _ in reader]  # record i's line in the file
+    start = int(np.flatnonzero(ds.raw(int(idle[0]))[1])[0])  # its first answer's token, uncut
+    shown = ", ".join(str(lines[i]) for i in idle[:5]) + " ..." * (len(idle) > 5)
+    raise RunError(f"{s.data}: only {int(trains.sum())} of {len(ds)} conversations train a token "
+                   f"within seq_len={s.seq_len}; SFT holds out {n_held} that do for its validation "
+                   f"loss and needs more to train on. The others (lines {shown}) answer past it "
+                   f"(line {lines[idle[0]]}: from token {start}): raise --seq-len (to {start + 1} "
+                   f"or more), or pass --val-data FILE with conversations to hold out")

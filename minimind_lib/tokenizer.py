@@ -22,6 +22,7 @@ from .paths import ASSETS_DIR
 
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = [ENDOFTEXT, IM_START, IM_END]  # in this order, so their ids are 0, 1, 2
+PIECE_CHARS = 2**18  # a longer text is encoded in pieces (Tokenizer.pieces): ~400 bytes a token
 ROLES = ("system", "user", "assistant", "tool")  # the chat roles (corpus.py validates SFT records against these)
 ROLE_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")  # tokenizer_config.json keys naming special tokens
 DEFAULT_VOCAB_SIZE = 6400
@@ -175,6 +176,7 @@ class Tokenizer:
         self.think = mode[1] == "true" if mode else "</think>" in self.chat_template
         markers = {t.content for t in hf.get_added_tokens_decoder().values()} | set(SPECIAL_TOKENS)
         self._special_re = re.compile(f"({'|'.join(map(re.escape, sorted(markers, key=len, reverse=True)))})")
+        self._longest_marker = max(map(len, markers))
         # A twin that encodes special-token strings as plain text (chat content): no shared flag to switch, no race
         self._plain = tokenizers.Tokenizer.from_str(hf.to_str())
         self._plain.encode_special_tokens = True
@@ -270,6 +272,33 @@ class Tokenizer:
             check_text(text, f"texts[{i}]")
         ids = [e.ids for e in (self.hf if allow_special else self._plain).encode_batch(texts, add_special_tokens=False)]
         return [[self.bos_token_id, *i, self.eos_token_id] for i in ids] if add_special_tokens else ids
+
+    def pieces(self, text: str, size: int = PIECE_CHARS) -> list[str]:
+        """`text` in pieces of about `size` characters, cut where the encoder splits it anyway (at a
+        special token, or where its pre-tokenizer starts a word): their ids, joined, are the whole
+        text's, and the encoder's memory stays bounded."""
+        cuts = [0]
+        while len(text) - cuts[-1] > size:
+            cuts.append(self._cut(text, cuts[-1], size))
+        return [text[a:b] for a, b in zip(cuts, cuts[1:] + [len(text)])]
+
+    def _cut(self, text: str, start: int, size: int) -> int:
+        """The last place after `start` in text[start:start + size] where the encoder splits anyway
+        (the window doubles while it holds none). The pre-tokenizer's matches are the same from any
+        place where one of them starts, so the window's are the whole text's but for its last."""
+        end = start + size
+        marks = [m for m in self._special_re.finditer(text, start, end + self._longest_marker)
+                 if m.start() < end]
+        if marks:  # special tokens are split out before the pre-tokenizer runs: cut before or after
+            return marks[-1].start() if marks[-1].start() > start else marks[-1].end()
+        words = []
+        if self.hf.pre_tokenizer is not None:
+            words = self.hf.pre_tokenizer.pre_tokenize_str(text[start:end])
+        if len(words) > 1:  # the last word may run past the window: cut where it starts
+            return start + words[-1][1][0]
+        if end >= len(text):
+            return len(text)
+        return self._cut(text, start, 2 * size)
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         """Text of token ids (accepts lists, tensors, arrays); out-of-range ids are an error, never dropped."""

@@ -11,7 +11,7 @@ import inspect
 import math
 import time
 import warnings
-from dataclasses import dataclass
+
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
@@ -21,22 +21,28 @@ import torch.distributed as dist
 from torch import nn
 from tqdm.auto import tqdm
 
-from . import device as device_module  # looked up at call time: tests and notebook 05 pretend to be another device
 from .batching import document_mask
 from .checkpoint import (DataStream, load_training_state, nonfinite_parameters, save_training_state, seed_everything,
                          set_rng_state)
 from .data import trained_tokens
+from .device import AMP_MODES, CPU_BF16_MIN_HIDDEN, AmpSettings, resolve_amp  # noqa: F401 (05)
 from .loggers import SendRows
 from .memory import MemoryMeter
-from .model import is_right_padded, lm_loss
-from .config import AMP_MODES, NORMALIZATIONS, TrainConfig  # noqa: F401 (train.TrainConfig too)
+from .checks import require
+from .config import NORMALIZATIONS, TrainConfig  # noqa: F401 (train.TrainConfig too)
+from .model import chunked_lm_loss, is_right_padded, lm_loss
 
 # 1. A plain step (notebook 04, section 1) ----------------------------------------------------------------------
 def _to_device(batch: dict, device: torch.device) -> dict:
-    """Move a batch's tensors to `device`, minus a right-padded (B, T) attention_mask (the model would drop it)."""
+    """Move a batch's tensors to `device`, minus a right-padded (B, T) attention_mask (the model
+    would drop it); packed rows get their document mask on the device, made from their CPU doc_ids
+    (a repeat is reused)."""
     mask = batch.get("attention_mask")
     if torch.is_tensor(mask) and mask.dim() == 2 and mask.device.type == "cpu" and is_right_padded(mask):  # no sync
         batch = {k: v for k, v in batch.items() if k != "attention_mask"}
+    if isinstance(batch.get("block_mask"), str) and batch["doc_ids"].device.type == "cpu":
+        mask = document_mask(batch["doc_ids"], batch["block_mask"], device)
+        batch = {**batch, "attention_mask": mask, "block_mask": None}
     return {k: (v.to(device, non_blocking=True) if torch.is_tensor(v) else v) for k, v in batch.items()}
 
 
@@ -51,6 +57,25 @@ def forward_logits(model: nn.Module, batch: dict, amp_dtype: torch.dtype | None 
         out = model(batch["input_ids"], **kwargs)
     logits = out.logits if hasattr(out, "logits") else out
     return (logits, getattr(out, "aux_loss", None)) if with_aux else logits
+
+
+def forward_loss(model: nn.Module, batch: dict, amp_dtype: torch.dtype | None = None,
+                 loss_chunk: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(summed fp32 token loss, MoE aux loss or None) of one collated batch: through the (B, T, V)
+    logits, or with loss_chunk > 0 from the hidden states through model.chunked_lm_loss, loss_chunk
+    positions at a time."""
+    if not loss_chunk:
+        logits, aux = forward_logits(model, batch, amp_dtype, with_aux=True)
+        return lm_loss(logits, batch["labels"], reduction="sum"), aux
+    require(hasattr(model, "lm_head"),
+            f"loss_chunk={loss_chunk}: needs the model, not a {type(model).__name__}")
+    device_type = batch["input_ids"].device.type
+    with torch.autocast(device_type, dtype=amp_dtype, enabled=amp_dtype is not None):
+        hidden, _ = forward_logits(model.model, batch, amp_dtype)  # the trunk: hidden states
+        loss_sum = chunked_lm_loss(hidden, model.lm_head.weight, batch["labels"], loss_chunk)
+    aux = [layer.mlp.aux_loss for layer in model.model.layers
+           if getattr(layer.mlp, "aux_loss", None) is not None]
+    return loss_sum, sum(aux) if aux else None
 
 
 # 2. The schedule (04, section 2) --------------------------------------------------------------------------------
@@ -116,32 +141,37 @@ class NextToken:
     def count(self, batch: dict) -> int:
         return trained_tokens(batch["labels"])
 
+    def __init__(self, loss_chunk: int = 0) -> None:
+        self.loss_chunk = loss_chunk  # > 0: forward_loss's chunked head and loss
+
     def loss_sum(self, model: nn.Module, batch: dict, amp_dtype: torch.dtype | None) -> tuple:
         """(the summed loss, fp32; the MoE load-balancing loss or None)."""
-        logits, aux = forward_logits(model, batch, amp_dtype, with_aux=True)
-        return lm_loss(logits, batch["labels"], reduction="sum"), aux
+        return forward_loss(model, batch, amp_dtype, self.loss_chunk)
 
 
 def accumulate_step(model: nn.Module, micro_batches: Sequence[dict], *, amp_dtype: torch.dtype | None = None,
                     scaler: torch.amp.GradScaler | None = None, device: torch.device | str | None = None,
                     n_tokens_total: int | None = None, normalization: str = "token",
-                    sync: bool = True, objective: Any = None) -> dict:
-    """Forward+backward over the micro-batches of one optimizer step; gradients add up in .grad (no update).
-    Returns loss_sum, n_tokens, loss (their ratio), micro_batches, rows, padded_tokens, empty_micro_batches (labels
-    all -100: not run; under DDP run, adding 0, as the gradient sync needs every rank's backward) and, for a MoE model,
-    aux_loss: trained, not in `loss`. MiniMind-3 adds each micro-batch's aux to its mean loss, then divides by k
-    ("naive"); here micro-batch i's aux weighs n_i / N, its share of the step's trained tokens, as each of its tokens'
-    loss does: the aux keeps its ratio to the loss however a step is split (halved after an OOM, short SFT rows,
-    ranks), and the step's aux is the token-weighted mean of its micro-batches' (MiniMind-3's for equal n_i).
-    sync=False (fit's loop): loss_sum and aux_loss stay device tensors, no `loss`: nothing here waits for the device."""
-    # objective: what is summed and counted (default NextToken(); DPO's "tokens" are pairs)
+                    sync: bool = True, loss_chunk: int = 0, objective: Any = None) -> dict:
+    """Forward+backward over the micro-batches of one optimizer step; gradients add up in .grad (no
+    update). Returns loss_sum, n_tokens, loss (their ratio), micro_batches, rows, padded_tokens,
+    empty_micro_batches (labels all -100: not run; under DDP run, adding 0, as the gradient sync
+    needs every rank's backward) and, for a MoE model, aux_loss: trained, not in `loss`. MiniMind-3
+    adds each micro-batch's aux to its mean loss, then divides by k ("naive"); here micro-batch i's
+    aux weighs n_i / N, its share of the step's trained tokens, as each of its tokens' loss does:
+    the aux keeps its ratio to the loss however a step is split (halved after an OOM, short SFT
+    rows, ranks), and the step's aux is the token-weighted mean of its micro-batches' (MiniMind-3's
+    for equal n_i). sync=False (fit's loop): loss_sum and aux_loss stay device tensors, no `loss`:
+    nothing here waits for the device. loss_chunk > 0: the head and the loss loss_chunk positions at
+    a time (forward_loss), not the whole logits. objective: what is summed and counted (default
+    NextToken(loss_chunk); notebook 10's DPO counts pairs)."""
     if normalization not in NORMALIZATIONS:
         raise ValueError(f"normalization={normalization!r}; choose one of {NORMALIZATIONS}")
     if not micro_batches:
         raise ValueError("accumulate_step got no micro-batches")
     device = torch.device(device) if device is not None else next(model.parameters()).device
     world, k = world_size(), len(micro_batches)
-    objective = objective or NextToken()
+    objective = objective or NextToken(loss_chunk)
     counts = [objective.count(mb) for mb in micro_batches]  # from the CPU's batches: no device read
     if n_tokens_total is None:  # under DDP every rank divides by the step's global count
         n_tokens_total = sum(counts) if world == 1 else step_token_count(micro_batches, device)
@@ -178,56 +208,16 @@ def accumulate_step(model: nn.Module, micro_batches: Sequence[dict], *, amp_dtyp
 
 # 5. AdamW's parameter groups (04, section 5) --------------------------------------------------------------------
 def build_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device | str) -> torch.optim.AdamW:
-    """AdamW with weight decay only on 2-D weights (not norms), fused on CUDA and CPU."""
+    """AdamW with weight decay only on 2-D weights (not norms), fused on CUDA, MPS and CPU (one
+    kernel, which also skips a NaN/inf step on the device: optimizer_step)."""
     params = [p for _, p in model.named_parameters() if p.requires_grad]  # named_parameters: the tied weight once
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    extra = {"fused": True} if torch.device(device).type in ("cuda", "cpu") else {}  # one kernel, not many small ops
+    extra = {"fused": True} if torch.device(device).type in ("cuda", "mps", "cpu") else {}
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, **extra)
 
 
-# 6. Autocast and the GradScaler (notebook 05) -------------------------------------------------------------------
-@dataclass(frozen=True)
-class AmpSettings:
-    """What autocast does on this device: the dtype (None: fp32, no autocast), whether a GradScaler, and why."""
-    dtype: torch.dtype | None
-    use_scaler: bool
-    reason: str
-
-    @property
-    def name(self) -> str:
-        """'bf16', 'fp16' or 'fp32'."""
-        return {torch.bfloat16: "bf16", torch.float16: "fp16", None: "fp32"}[self.dtype]
-
-
-CPU_BF16_MIN_HIDDEN = 256  # notebook 05: AVX512-BF16, no AMX: bf16 x1.27 fp32's step at hidden 64, x0.66 at 256
-
-
-def resolve_amp(amp: str, device: torch.device | str, hidden_size: int | None = None) -> AmpSettings:
-    """Autocast dtype, GradScaler and why, for `amp` ("auto"|"bf16"|"fp16"|"off") on `device`; on a CPU, auto picks
-    bf16 only for a model of hidden_size >= CPU_BF16_MIN_HIDDEN (notebook 05 measures where bf16 starts to pay)."""
-    device = torch.device(device)
-    if amp not in AMP_MODES:
-        raise ValueError(f"amp={amp!r}; choose one of {AMP_MODES}")
-    if amp == "off":
-        return AmpSettings(None, False, "amp='off': fp32")
-    if amp == "bf16":  # bf16 has fp32's exponent range: no GradScaler needed
-        if not device_module.bf16_supported(device):
-            raise ValueError(f"amp='bf16' requested but {device} does not support bf16 (try amp='fp16' or 'auto')")
-        return AmpSettings(torch.bfloat16, False, "amp='bf16' requested")
-    if amp == "fp16":  # the scaler is what makes fp16 safe; torch.amp has it on CPU and MPS too
-        return AmpSettings(torch.float16, True, "amp='fp16' requested: fp16 autocast + GradScaler")
-    native = device_module.bf16_native(device)  # CUDA: compute capability >= 8.0 (a T4's 7.5 has none); MPS: supported
-    if device.type in ("cuda", "mps"):
-        return (AmpSettings(torch.bfloat16, False, f"auto: {device.type} with bf16 -> bf16 autocast") if native else
-                AmpSettings(torch.float16, True, f"auto: {device.type} without bf16 -> fp16 autocast + GradScaler"))
-    if native and hidden_size is not None and hidden_size >= CPU_BF16_MIN_HIDDEN:
-        return AmpSettings(torch.bfloat16, False, f"auto: CPU with native bf16, hidden size {hidden_size} >= "
-                                                  f"{CPU_BF16_MIN_HIDDEN} -> bf16 autocast")
-    why = ("no bf16 instructions on this CPU: emulated bf16 is slower" if not native else "model size not given"
-           if hidden_size is None else f"hidden size {hidden_size} < {CPU_BF16_MIN_HIDDEN}, the bar that notebook 05's "
-           f"width sweep set on an AVX512-BF16 CPU, where bf16 won every run only from {CPU_BF16_MIN_HIDDEN}")
-    return AmpSettings(None, False, f"auto: {device.type} -> fp32 ({why})")
+# 6. Autocast and the GradScaler (notebook 05): device.resolve_amp, imported above ----------------
 
 
 # 7. Validation (04, section 6) ---------------------------------------------------------------------------------
@@ -280,7 +270,8 @@ class _Run:
         return accumulate_step(forward_model if forward_model is not None else self.model, micro_batches,
                                amp_dtype=self.amp.dtype, scaler=self.scaler, device=self.device,
                                n_tokens_total=n_tokens_total, normalization=self.cfg.normalization,
-                               sync=False, objective=self.objective)
+                               sync=False, loss_chunk=self.cfg.loss_chunk,
+                               objective=self.objective)
 
     def save(self, row: dict) -> None:
         """last.pt (rank 0; never NaN weights) with the callbacks' checkpoint_extra(); tag `row`; after_checkpoint()."""
@@ -360,8 +351,10 @@ class _Run:
         """The rows' device values in one host sync, and what each step did: loss, grad norm, skipped (NaN/inf: not
         applied) or a GradScaler skip, with its events; the window's time shared out over its steps."""
         keys = [(r, k) for r in rows for k, v in r.items() if torch.is_tensor(v)]
-        for (r, k), value in zip(keys, torch.stack([r[k].detach().double() for r, k in keys]).tolist() if keys else []):
-            r[k] = value
+        if keys:  # one stacked read, in float32 (MPS has no float64)
+            values = torch.stack([r[k].detach().float() for r, k in keys]).tolist()
+            for (r, k), value in zip(keys, values):
+                r[k] = value
         now = time.perf_counter()
         for i, r in enumerate(rows):
             r["step_time"] = (now - self.window_start) / len(rows)

@@ -171,7 +171,9 @@ def build_job(spec: dict, info: D.DistInfo) -> tuple[torch.nn.Module, list[dict]
                                               num_replicas=info.world_size, rank=info.rank,
                                               seed=int(spec.get("sampler_seed", 0)), seq_len=spec.get("seq_len"),
                                               dataset=samples)
-    train = {"progress": False, "amp": "off", "warmup_steps": 1, "max_steps": 4, "lr": 1e-3, **spec.get("train", {})}
+    # log_every=1: the callbacks count each step's all-reduced bytes as it ends (fit's default reads every 10 steps)
+    train = {"progress": False, "amp": "off", "warmup_steps": 1, "max_steps": 4, "lr": 1e-3, "log_every": 1,
+             **spec.get("train", {})}
     return model, samples, sampler, TrainConfig(**train)
 
 

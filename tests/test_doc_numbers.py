@@ -27,9 +27,9 @@ def test_every_generated_number_matches_its_source(doc: Path):
 
 @pytest.mark.parametrize("doc, keys", [
     (GUIDE, ["est:reading:all", "est:exercises:all", "est:hours:all", "est:reading:04-06", "est:exercises:04-06",
-             "est:total:07", "est:total:08", "run:workshop:all", "committed:profile"]),
+             "est:total:07", "est:total:08", "run:workshop:00-09", "committed:profile:00-09"]),
     (ANSWERS, ["out:07.val_loss_before", "out:07.ppl_before", "out:07.ppl_after", "out:07.amp"]),
-    (README, ["committed:profile", "committed:device", "out:07.amp", "out:07.val_loss_after", "out:08.val_loss_after"]),
+    (README, ["committed:profile:00-09", "committed:device:00-09", "out:07.amp", "out:07.val_loss_after", "out:08.val_loss_after"]),
 ], ids=["teaching.md", "answers.md", "README.md"])
 def test_totals_and_quotes_are_generated_not_typed(doc: Path, keys: list[str]):
     found = {m["key"] for m in doc_numbers.MARK.finditer(doc.read_text(encoding="utf-8"))}
@@ -75,11 +75,11 @@ def test_a_quote_follows_the_committed_output(tmp_path: Path):
 
 def test_check_fails_on_a_stale_file_and_passes_once_rewritten(tmp_path: Path):
     doc = tmp_path / "notes.md"
-    doc.write_text("<!--n:committed:profile-->no-such-profile<!--/n--> outputs\n")  # read from this repository
+    doc.write_text("<!--n:committed:profile:00-09-->no-such-profile<!--/n--> outputs\n")  # read from this repository
     assert doc_numbers.main(["--check", str(doc)]) == 1 and "no-such" in doc.read_text()  # --check writes nothing
     assert doc_numbers.main([str(doc)]) == 0
     assert doc_numbers.main(["--check", str(doc)]) == 0
-    assert doc.read_text() == f"<!--n:committed:profile-->{doc_numbers.value_of('committed:profile')}<!--/n--> outputs\n"
+    assert doc.read_text() == f"<!--n:committed:profile:00-09-->{doc_numbers.value_of('committed:profile:00-09')}<!--/n--> outputs\n"
 
 
 def test_estimate_sums_and_a_plan_that_does_not_fit(tmp_path: Path):
@@ -125,7 +125,8 @@ def test_lab_regions_are_estimated_by_the_stated_rule(tmp_path: Path):
     cell = nbformat.v4.new_code_cell(body, metadata={"nbgrader": {"solution": True, "grade_id": "f"}})
     nbformat.write(nbformat.v4.new_notebook(cells=[cell]), tmp_path / "04_x.ipynb")
     row = course_times.estimates(tmp_path)["04"]
-    minutes = round(course_times.MINUTES_PER_REGION + 2 / course_times.WRITTEN_LINES_PER_MINUTE)
+    minutes = round((course_times.MINUTES_PER_REGION + 2 / course_times.WRITTEN_LINES_PER_MINUTE)
+                    * (1 + course_times.FIX_AND_RERUN))  # the fix-and-rerun allowance
     assert row["regions"] == [{"name": "f", "lines": 2, "minutes": minutes}] and row["lab_minutes"] == minutes
     assert doc_numbers.estimate_value("lab:04", tmp_path) == str(minutes)
     assert doc_numbers.estimate_value("regions:04", tmp_path) == "1"
@@ -133,3 +134,38 @@ def test_lab_regions_are_estimated_by_the_stated_rule(tmp_path: Path):
     with pytest.raises(KeyError, match="not among notebook 04's regions"):
         doc_numbers.region_value("04:g", tmp_path)
     assert f"| `04_x` | `f` | 2 | {minutes} |" in course_times.regions_table(tmp_path)
+
+
+def test_a_slot_sums_its_sections_regions_and_exercises(tmp_path: Path):
+    body = 'def f(x):\n    """Doc."""\n    ### BEGIN SOLUTION\n    return x\n    ### END SOLUTION\n'
+    cells = [nbformat.v4.new_markdown_cell("intro " * 120), nbformat.v4.new_markdown_cell("## 1. One\n" + "w " * 238),
+             nbformat.v4.new_code_cell(body, metadata={"nbgrader": {"solution": True, "grade_id": "f"}}),
+             nbformat.v4.new_markdown_cell("## 2. Two\n" + "w " * 598),
+             nbformat.v4.new_markdown_cell("### Exercise 1: x")]
+    nbformat.write(nbformat.v4.new_notebook(cells=cells), tmp_path / "04_x.ipynb")
+    row = course_times.estimates(tmp_path)["04"]
+    assert row["sections"] == {"0": 1, "1": 2, "2": 5}  # 120, 240 (+ the region's 3 code lines) and 600 words
+    region = row["regions"][0]["minutes"]
+    value = lambda key: doc_numbers.value_of(key, notebook_dir=tmp_path)  # noqa: E731
+    assert value("slot:04:read=1,2") == "7" and value("slot:04:read=all") == str(row["reading"])
+    assert value("slot:04:read=2+regions=f+exercises=1<=30") == str(5 + region + course_times.MINUTES_PER_EXERCISE)
+    with pytest.raises(ValueError, match="more than the 9 min of their slot"):
+        value("slot:04:read=2+regions=f<=9")
+    with pytest.raises(KeyError, match=r"read \['3'\] not among notebook 04's"):
+        value("slot:04:read=3")
+
+
+def test_the_plans_fit_their_slots_by_the_guides_own_sums():
+    """Every slot of the 3-hour plan where learners read, write or do exercises is generated as a sum whose limit is
+    the slot's length; every session of the 2-day plans carries its 210-minute limit (render refuses an overflow)."""
+    text = GUIDE.read_text(encoding="utf-8")
+    three_hours = text.split("## A 3-hour workshop", 1)[1].split("\n## ", 1)[0]
+    for row in re.findall(r"^\| (\d):(\d\d)-(\d):(\d\d) \| `0[456]_\w+` \|(.*)$", three_hours, re.M):
+        length = (int(row[2]) * 60 + int(row[3])) - (int(row[0]) * 60 + int(row[1]))
+        assert re.search(rf"<!--n:slot:[^>]*<={length}-->", row[4]), row
+    for plan in ("## A 2-day course", "**In the 2-day plan**"):
+        rows = [line for line in text.split(plan, 1)[1].split("\n\n| day |", 1)[1].split("\n\n")[0].splitlines()
+                if re.match(r"\| [12] \|", line)]
+        assert len(rows) == 2 and all(len(re.findall(r"<=210-->", row)) == 2 for row in rows), rows
+    for m in doc_numbers.MARK.finditer(text):
+        doc_numbers.value_of(m["key"])  # raises for a slot its parts overflow

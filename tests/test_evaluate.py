@@ -104,6 +104,22 @@ def test_a_huge_lr_is_reported_diverged_with_the_reason(runs):
     assert code == 1 and json.loads(out)["verdict"] == "diverged"
 
 
+def test_compare_json_writes_an_infinite_loss_as_null_with_its_reason(runs, tmp_path):
+    run = tmp_path / "inf"
+    shutil.copytree(runs["huge_lr"], run, ignore=shutil.ignore_patterns("last.pt"))
+    metrics = pd.read_csv(run / "metrics.csv")
+    metrics.loc[metrics.index[metrics["val_loss"].notna()][-1], "val_loss"] = math.inf  # an overflowed evaluation
+    metrics.to_csv(run / "metrics.csv", index=False)
+
+    def refuse(constant):  # as jq and JSON.parse do
+        raise ValueError(f"not JSON: {constant}")
+    code, out, err = run_cli(["compare", run, "--json"])
+    result = json.loads(out, parse_constant=refuse)
+    where = [k for k, v in result["nulls"].items() if v == "inf: not a number JSON holds, written as null"]
+    assert code == 1 and result["verdict"] == "diverged" and where and where[0].startswith("points["), err
+    assert result["points"][int(where[0][7:].split("]")[0])]["val_loss"] is None
+
+
 def altered(result, **changes) -> pd.DataFrame:
     """A copy of a run's metrics with columns changed after step -1 (before training stays as it was)."""
     df = result.metrics.copy()

@@ -61,7 +61,8 @@ def batches(n: int, rows: int = 4, max_len: int = 24, seed: int = 0) -> list[dic
 
 
 def cfg(**kw) -> TrainConfig:
-    base = dict(lr=3e-3, warmup_steps=2, max_steps=6, accum_steps=2, amp="off", progress=False, seed=0)
+    # log_every=1: these tests follow each step's callbacks and rollbacks (the default reads the device every 10)
+    base = dict(lr=3e-3, warmup_steps=2, max_steps=6, accum_steps=2, amp="off", progress=False, seed=0, log_every=1)
     base.update(kw)
     return TrainConfig(**base)
 

@@ -115,8 +115,11 @@ def test_handout_strips_outputs_and_keeps_solutions_apart(tmp_path: Path):
         assert code.source == "print(42)" and code.outputs == [] and code.execution_count is None
         assert "execution" not in code.metadata and code.metadata["tags"] == ["t"]
     assert nbformat.read(out / "notebooks" / "01_a.ipynb", 4).cells[2].source == REGION_CELL
-    assert nbformat.read(out / "lab" / "01_a.ipynb", 4).cells[2].source == (
-        'def twice(x):\n    """Twice x."""\n    # YOUR CODE HERE\n    raise NotImplementedError()')
+    lab = nbformat.read(out / "lab" / "01_a.ipynb", 4)
+    assert lab.cells[3].source == ('def twice(x):\n    """Twice x."""\n    # YOUR CODE HERE\n'
+                                   '    raise NotImplementedError()')
+    assert lab.cells[1].id == handout.LAB_INTRO_ID and "regions, in order: `twice`." in lab.cells[1].source  # made here
+    assert "lab-edition" not in nbformat.read(out / "notebooks" / "01_a.ipynb", 4).cells[1].get("id", "")
     assert nbformat.read(out / "solutions" / "01_a.ipynb", 4).cells[0].source == \
         "Solutions of [01_a](../notebooks/01_a.ipynb)."  # the chapter, from the handout's solutions/
     assert not list((out / "notebooks").glob("solutions"))  # solutions only in their own folder
@@ -146,7 +149,7 @@ def test_a_second_handout_refuses_a_changed_notebook_and_writes_nothing(tmp_path
     handout.make_handout(out, src, data)
     mine = out / "lab" / "01_a.ipynb"
     nb = nbformat.read(mine, 4)
-    nb.cells[2].source = nb.cells[2].source.replace("raise NotImplementedError()", "return x + x")
+    nb.cells[3].source = nb.cells[3].source.replace("raise NotImplementedError()", "return x + x")
     nbformat.write(nb, mine)
     (out / "notebooks" / "exercise_checks.py").unlink()  # a file the learner deleted would be written again
     before = snapshot(out)

@@ -129,8 +129,10 @@ def minutes_table(timings_dir: Path = TIMINGS_DIR) -> str:
 # Estimates, not measurements: a study pace for prose, a pace for reading (not typing) code, a time per exercise.
 WORDS_PER_MINUTE, CODE_LINES_PER_MINUTE, MINUTES_PER_EXERCISE = 120, 15, 10
 # A lab region (the learner writes a mechanism): a fixed time to read its docstring, run the check and read one
-# message, plus a pace for writing (not reading) new code, counted in the solution's non-blank lines.
-MINUTES_PER_REGION, WRITTEN_LINES_PER_MINUTE = 5, 1
+# message, plus a pace for writing (not reading) new code, counted in the solution's non-blank lines; then the loop
+# of fixing the code after a "not right yet" and running the check again, an allowance of FIX_AND_RERUN times the two.
+MINUTES_PER_REGION, WRITTEN_LINES_PER_MINUTE, FIX_AND_RERUN = 5, 1, 0.5
+SECTION = re.compile(r"^## (\d+)\.")  # a numbered section of a notebook, from its heading to the next "## "
 
 
 OPTIONAL_PART = re.compile(r"^## Part \d+ \(optional\)")  # a notebook's optional part runs from this heading to its end
@@ -150,9 +152,22 @@ def region_estimates(nb: nbformat.NotebookNode, name: str) -> list[dict]:
         lines = cell.source.split("\n")
         for r in (handout.find_regions(cell.source, name) if cell.cell_type == "code" else []):
             written = len([ln for ln in lines[r.begin + 1:r.end] if ln.strip() and not ln.strip().startswith("#")])
-            rows.append({"name": r.name, "lines": written,
-                         "minutes": round(MINUTES_PER_REGION + written / WRITTEN_LINES_PER_MINUTE)})
+            rows.append({"name": r.name, "lines": written, "minutes": round(
+                (MINUTES_PER_REGION + written / WRITTEN_LINES_PER_MINUTE) * (1 + FIX_AND_RERUN))})
     return rows
+
+
+def section_reading(cells: list) -> dict[str, int]:
+    """Reading minutes of each section of a notebook, by the reading rule: "1", "2"... for "## 1. ..." up to the next
+    "## " heading, "Exercises" for "## Exercises", "0" for the text before the first."""
+    sections, name = {"0": []}, "0"
+    for cell in cells:
+        heading = re.search(r"^## (.*)$", cell.source, re.M) if cell.cell_type == "markdown" else None
+        if heading:
+            name = heading.group(1).split(".")[0] if SECTION.match(heading.group(0)) else heading.group(1).strip()
+            sections.setdefault(name, [])
+        sections[name].append(cell)
+    return {k: round(_reading(v)[2]) for k, v in sections.items() if v}
 
 
 def estimates(notebook_dir: Path = REPO / "notebooks") -> dict[str, dict]:
@@ -170,7 +185,8 @@ def estimates(notebook_dir: Path = REPO / "notebooks") -> dict[str, dict]:
         rows[path.stem[:2]] = {"stem": path.stem, "words": words + optional[0], "code": code + optional[1],
                                "exercises": exercises, "reading": round(reading), "optional": round(optional[2]),
                                "exercise_minutes": exercises * MINUTES_PER_EXERCISE, "regions": regions,
-                               "lab_minutes": sum(r["minutes"] for r in regions)}
+                               "lab_minutes": sum(r["minutes"] for r in regions),
+                               "sections": section_reading(cells[:start])}
     return rows
 
 

@@ -10,6 +10,10 @@ between markers, `<!--n:KEY-->VALUE<!--/n-->` (invisible once rendered), and thi
                                    terms add up (`total:07,08+exercises:09`). With <=LIMIT the minutes must fit in
                                    LIMIT (a plan's session), or this fails and names the session.
     region:NN:NAME[,NAME...]       minutes of those lab regions of notebook NN (the lab-regions table), summed
+    slot:NN:TERM+TERM[;NN:...][<=LIMIT]  a plan's slot by the guide's rules: TERM is read=all or read=S,S (the
+                                   reading of those sections, "## S."), regions=all or regions=NAME,NAME (their
+                                   minutes), exercises=all or exercises=K,K (10 minutes each); with <=LIMIT the sum
+                                   must fit in LIMIT, or this fails and names the slot
     run:PROFILE:NOTEBOOKS          minutes measured in that profile (docs/timings/PROFILE.json), summed
     out:NAME                       a value printed by a committed notebook (OUTPUTS below: notebook, pattern, format)
     committed:profile|device|cores the profile, device and CPU cores that every committed notebook's outputs come from
@@ -174,12 +178,39 @@ def region_value(spec: str, notebook_dir: Path = NOTEBOOKS) -> str:
     return str(sum(found[n] for n in names.split(",")))
 
 
+def slot_value(spec: str, notebook_dir: Path = NOTEBOOKS) -> str:
+    """slot:NN:TERM+TERM[;NN:...][<=LIMIT]: the minutes of a plan's slot by the guide's rules (see the module doc),
+    refused when a limit is given and they pass it."""
+    body, _, limit = spec.partition("<=")
+    table, minutes = course_times.estimates(notebook_dir), 0
+    for part in body.split(";"):
+        number, _, terms = part.partition(":")
+        row = table[_notebooks(number, list(table))[0]]
+        for term in terms.split("+"):
+            kind, _, chosen = term.partition("=")
+            parts = {"read": row["sections"], "regions": {r["name"]: r["minutes"] for r in row["regions"]},
+                     "exercises": {str(k): course_times.MINUTES_PER_EXERCISE for k in range(1, row["exercises"] + 1)}}
+            if kind not in parts:
+                raise KeyError(f"slot:{spec}: {term!r} is not read=..., regions=... or exercises=...")
+            if unknown := [n for n in chosen.split(",") if chosen != "all" and n not in parts[kind]]:
+                raise KeyError(f"slot:{spec}: {kind} {unknown} not among notebook {number}'s {sorted(parts[kind])}")
+            if kind == "read" and chosen == "all":
+                minutes += row["reading"]
+            else:
+                minutes += sum(v for k, v in parts[kind].items() if chosen == "all" or k in chosen.split(","))
+    if limit and minutes > int(limit):
+        raise ValueError(f"slot:{spec}: {body} need {minutes} min by the guide's rules, more than the {limit} min of "
+                         "their slot: change the plan")
+    return str(minutes)
+
+
 def value_of(key: str, notebook_dir: Path = NOTEBOOKS, timings_dir: Path = course_times.TIMINGS_DIR) -> str:
     """The text a marker's key stands for."""
     source, _, spec = key.partition(":")
     sources = {"est": lambda: estimate_value(spec, notebook_dir), "run": lambda: measured_value(spec, timings_dir),
                "out": lambda: output_value(spec, notebook_dir), "committed": lambda: committed_value(spec, notebook_dir),
-               "region": lambda: region_value(spec, notebook_dir)}
+               "region": lambda: region_value(spec, notebook_dir),
+               "slot": lambda: slot_value(spec, notebook_dir)}
     if source not in sources:
         raise KeyError(f"{key!r}: a key starts with one of {', '.join(s + ':' for s in sources)}")
     return sources[source]()
@@ -203,6 +234,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("files", nargs="*", type=Path, default=list(DOCS))
     parser.add_argument("--check", action="store_true", help="exit 1 if a file's numbers are not up to date")
     args = parser.parse_args(argv)
+    missing = [str(path) for path in args.files if not path.is_file()]
+    if missing:
+        parser.error(f"no such file: {', '.join(missing)}")
     stale = []
     for path in args.files:
         text = path.read_text(encoding="utf-8")

@@ -142,6 +142,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--reuse needs --work DIR, the folder an earlier --keep left")
     if args.seeds < 2:
         parser.error("--seeds: a band needs at least 2 seeds (5 or more for a committed one)")
+    if args.work and not args.reuse and (Path(args.work).exists() or Path(args.work).is_symlink()):
+        parser.error(f"--work {args.work} exists: name a folder that does not exist yet (this tool removes only what "
+                     "it made), or pass --reuse to read back an earlier --keep's runs there")
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix=f"band-{args.profile}-"))
     if args.work and not args.reuse:
         work.mkdir(parents=True)  # refuses an existing folder: this tool removes only what it made

@@ -43,7 +43,9 @@ class Cases:
         self.cache = ["--cache", str(tmp / "cache")]
 
     def local(self, text: str) -> str:
-        """Paths as the table shows them: T for the temporary folder, relative to the checkout otherwise."""
+        """Paths as the table shows them: T for the temporary folder, relative to the checkout otherwise (a byte
+        that is not UTF-8, as \\xff)."""
+        text = text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
         return text.replace(str(self.t), "T").replace(f"{ROOT}/", "").replace(str(ROOT), ".")
 
     def show(self, args: list) -> str:
@@ -55,11 +57,15 @@ class Cases:
         return subprocess.Popen(argv, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
     def run(self, case: str, args: list, expect: int | None = 2, check=None, python: str | None = None,
-            tiny: bool = True, file_limit: int | None = None) -> dict:
-        """Run one command (python: library code instead of the CLI) and record exit code and first error line;
-        file_limit: the largest file it may write, in bytes (ulimit -f)."""
+            tiny: bool = True, file_limit: int | None = None, argv: list | None = None, wrap: list = ()) -> dict:
+        """Run one command (python: library code instead of the CLI; argv: another program, as `python ...` for this
+        Python) and record exit code and first error line; file_limit: the largest file it may write, in bytes
+        (ulimit -f); wrap: a command prefix (setpriv)."""
         if python is not None:
             argv, shown = [sys.executable, "-c", python], self.local(f"python -c '{python}'")
+        elif argv is not None:
+            argv = [str(a) for a in argv]
+            shown = self.local(" ".join(a or "''" for a in argv).replace(sys.executable, "python"))
         else:
             train = args[0] in ("pretrain", "sft")
             args = [*args, *(TINY if tiny and train else []), *(self.cache if train and "--cache" not in args else [])]
@@ -67,10 +73,12 @@ class Cases:
         limit = None if file_limit is None else lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (file_limit,) * 2)
         if file_limit is not None:
             shown = f"ulimit -f {file_limit // 1024}; {shown}"
+        argv, shown = [*wrap, *argv], " ".join([*wrap, shown])
         p = subprocess.run(argv, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600, preexec_fn=limit)
         return self.record(case, shown, p.returncode, p.stdout, p.stderr, expect, check)
 
     def record(self, case: str, shown: str, code: int, out: str, err: str, expect: int | None, check) -> dict:
+        self.last_out = out  # what a check may read (a --json result)
         lines = [line for line in err.splitlines() if line.strip()]
         last = lines[-1] if lines else ""  # a library call's exception is the traceback's last line
         first = next((line for line in lines if line.startswith("error:") or ": error:" in line), last)
@@ -80,7 +88,7 @@ class Cases:
         warning = next((line.split("Warning: ", 1)[1] for line in lines if "Warning: " in line), "")
         result = "ok" + (f", warns: {warning}" if warning else "") + (f", prints: {out.strip()}" if out.strip() else "")
         result = result if library else "ok"
-        first = f"(killed by signal {-code}: no output)" if code < 0 else first
+        first = f"(killed by signal {-code}: no output)" if code < 0 else first or "(nothing on stderr)"
         what = (first if code else result) + (f"; {note}" if note else "") + ("; TRACEBACK" if tracebacks else "")
         ok = (expect is None or code == expect) and not tracebacks and note is not False
         self.rows.append((case, shown.replace("|", "\\|"), code, self.local(what).replace("|", "\\|"),
@@ -395,6 +403,242 @@ def shortfall_cases(c: Cases) -> None:
         "n = len(list(r)); print(n, r.counts()['n_undeclared_tool_calls'])"), expect=0)
 
 
+# ------------------------------------------------------------------------------------------ issue 43
+def strict(text: str) -> bool:
+    """Whether text is one JSON value as strict parsers read it (no NaN, no Infinity)."""
+    def refuse(constant):
+        raise ValueError(constant)
+    try:
+        json.loads(text, parse_constant=refuse)
+        return True
+    except ValueError:
+        return False
+
+
+def conversation(system_words: int) -> str:
+    system = [{"role": "system", "content": "word " * system_words}] if system_words else []
+    return json.dumps({"conversations": system + [{"role": "user", "content": "hi"},
+                                                  {"role": "assistant", "content": "hello"}]}) + "\n"
+
+
+def export_eval_cases(c: Cases) -> None:
+    """1. eval prints numbers only for the model an export's files describe."""
+    t = c.t
+    edits = [("one layer fewer", {"num_hidden_layers": 1}), ("one layer more", {"num_hidden_layers": 3}),
+             ("tie_word_embeddings false", {"tie_word_embeddings": False}), ("vocab_size 6401", {"vocab_size": 6401}),
+             ("max_position_embeddings 2**62", {"max_position_embeddings": 2**62})]
+    config = json.loads((t / "hf/config.json").read_text())
+    texts = [(f"config.json says {what}", json.dumps({**config, **change})) for what, change in edits]
+    for i, (what, text) in enumerate(texts + [("config.json is 5", "5"), ("config.json is {bad", "{bad"),
+                                              ("model.safetensors is cut at 5000 bytes", None)]):
+        hf = t / f"hf_edit{i}"
+        shutil.copytree(t / "hf", hf)
+        if text is None:
+            (hf / "model.safetensors").write_bytes((hf / "model.safetensors").read_bytes()[:5000])
+        else:
+            (hf / "config.json").write_text(text)
+        c.run(f"eval --json of an export whose {what}", ["eval", hf, "--json"],
+              check=lambda: f"nothing on stdout: {c.last_out == ''}")
+    c.run("import-hf of an export whose config.json says max_position_embeddings 2**62",
+          ["import-hf", t / "hf_edit4", "--out", t / "imp_pos"],
+          check=lambda: f"--out written: {(t / 'imp_pos').exists()}")
+    shutil.copytree(t / "pre", t / "pos")
+    config = json.loads((t / "pos/config.json").read_text())
+    config["model"]["max_position_embeddings"] = 10**9
+    (t / "pos/config.json").write_text(json.dumps(config))
+    c.run("chat --ckpt a run whose config.json says max_position_embeddings 10**9",
+          ["chat", "--ckpt", t / "pos", "--prompt", "hi"])
+
+
+def sft_holdout_cases(c: Cases) -> None:
+    """2. SFT holds out conversations that train something, and says before writing when too few do."""
+    from minimind_lib.data import holdout_indices
+
+    t, drawn = c.t, holdout_indices(40, 1337)[1]  # the rows the seed drew, before the rule
+    c.data("late.jsonl", [conversation(100 if i in drawn else 0) for i in range(40)])
+    c.run("sft where the seed's 5% answer past --seq-len (they used to be held out)",
+          ["sft", "--out", t / "s_late", "--init", t / "pre", "--data", t / "late.jsonl", "--steps", 1], expect=0,
+          check=lambda: "initial validation loss finite: " + str(math.isfinite(
+              json.loads((t / "s_late/summary.json").read_text())["initial_val_loss"])))
+    c.data("few.jsonl", [conversation(0 if i == 7 else 100) for i in range(20)])
+    c.run("sft where 1 of 20 conversations trains a token within --seq-len",
+          ["sft", "--out", t / "s_few", "--init", t / "pre", "--data", t / "few.jsonl", "--steps", 1],
+          check=lambda: f"--out written: {(t / 's_few').exists()}")
+
+
+def json_and_metrics_cases(c: Cases) -> None:
+    """3. --json is strict JSON; 4. compare refuses an edited or cut metrics.csv."""
+    t = c.t
+    c.data("three.jsonl", [conversation(0)] * 3)
+    c.run("eval --json with no assistant token within --seq-len 4", ["eval", t / "pre", "--data", t / "three.jsonl",
+                                                                     "--seq-len", 4, "--replies", 1, "--json"],
+          expect=3, check=lambda err: f"strict JSON: {strict(c.last_out)}; assistant_loss: "
+                                      f"{json.loads(c.last_out)['chat']['assistant_loss']}")
+    smoke = ["--profile", "smoke", "--no-progress", "--lr", 10, "--stop-after", 6, "--allow-skipped-steps"]
+    c.run("a smoke-profile run at lr 10, stopped after 6 steps (used below)", ["pretrain", "--out", t / "huge",
+                                                                                *smoke], expect=0, tiny=False)
+    shutil.copytree(t / "huge", t / "inf", ignore=shutil.ignore_patterns("last.pt"))
+    lines = (t / "inf/metrics.csv").read_text().split("\n")
+    column = lines[0].split(",").index("val_loss")
+    last = max(i for i, line in enumerate(lines[1:], 1) if line and line.split(",")[column])
+    lines[last] = ",".join("inf" if k == column else v for k, v in enumerate(lines[last].split(",")))
+    (t / "inf/metrics.csv").write_text("\n".join(lines))
+    c.run("compare --json of a run whose last validation loss is inf", ["compare", t / "inf", "--json"], expect=1,
+          check=lambda: f"strict JSON: {strict(c.last_out)}; nulls: {json.loads(c.last_out).get('nulls')}")
+    for name, edit in [("cut mid-row", lambda b: b[:-7]), ("'0x' in step", ("step", 2, "0x")),
+                       ("'abc' in val_loss", ("val_loss", 1, "abc")), ("'lots' in tokens", ("tokens", 3, "lots")),
+                       ("its last row removed", lambda b: b"\n".join(b.split(b"\n")[:-2]) + b"\n")]:
+        run = t / f"m_{len(c.rows)}"
+        shutil.copytree(t / "pre", run)
+        data = (run / "metrics.csv").read_bytes()
+        if isinstance(edit, tuple):
+            rows = [r.split(b",") for r in data.split(b"\n")]
+            rows[edit[1]][rows[0].index(edit[0].encode())] = edit[2].encode()
+            data = b"\n".join(b",".join(r) for r in rows)
+        else:
+            data = edit(data)
+        (run / "metrics.csv").write_bytes(data)
+        c.run(f"compare of a metrics.csv {name}", ["compare", run, "--json"])
+
+
+def handout_cases(c: Cases) -> None:
+    """5. make handout: a kill leaves a rerun that works and no temp file; a forged manifest deletes nothing."""
+    t, tool = c.t, [sys.executable, ROOT / "tools" / "handout.py", "--out"]
+    c.run("make handout (the reference)", [], argv=[*tool, t / "ref_handout"], expect=0)
+    proc = subprocess.Popen([str(a) for a in [*tool, t / "handout"]], cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    wait_for(t / "handout/lab/03_model.ipynb", proc)  # some files written, others not yet
+    proc.send_signal(signal.SIGKILL)
+    o, e = proc.communicate(timeout=600)
+    c.record("SIGKILL during make handout", c.local(f"python tools/handout.py --out {t / 'handout'}"),
+             proc.returncode, o, e, None, lambda: f"temp files left: {len(list((t / 'handout').rglob('.minimind-tmp*')))}")
+    c.run("make handout again", [], argv=[*tool, t / "handout"], expect=0, check=lambda: (
+        f"temp files left: {len(list((t / 'handout').rglob('.minimind-tmp*')))}; every file as in the reference: "
+        f"{snapshot(t / 'handout') == snapshot(t / 'ref_handout')}"))
+    (t / "handout/lab/mine.ipynb").write_text("the learner's")
+    (t / "outside").mkdir()
+    (t / "outside/03_model.ipynb").write_text("not the handout's")
+    (t / "handout/old").symlink_to(t / "outside", target_is_directory=True)
+    manifest = json.loads((t / "handout/.handout-manifest.json").read_text())
+    manifest["files"].update({"lab/mine.ipynb": digest(t / "handout/lab/mine.ipynb"),
+                              "old/03_model.ipynb": digest(t / "outside/03_model.ipynb")})
+    (t / "handout/.handout-manifest.json").write_text(json.dumps(manifest))
+    c.run("make handout with a manifest listing the learner's file and one through a linked folder, their true "
+          "SHA-256s", [], argv=[*tool, t / "handout"], expect=0, check=lambda: (
+              f"learner's file kept: {(t / 'handout/lab/mine.ipynb').exists()}; file outside kept: "
+              f"{(t / 'outside/03_model.ipynb').exists()}"))
+    c.run("make handout with a 1 MB file-size limit", [], argv=[*tool, t / "handout_fsz"], file_limit=2**20)
+    c.run("make handout again, no limit", [], argv=[*tool, t / "handout_fsz"], expect=0, check=lambda: (
+        f"temp files left: {len(list((t / 'handout_fsz').rglob('.minimind-tmp*')))}"))
+    (t / "ro_handout").mkdir(mode=0o555)
+    c.run("make handout into a read-only folder", [], argv=[*tool, t / "ro_handout"], wrap=NO_DAC_OVERRIDE)
+    (t / "ro_handout").chmod(0o755)
+
+
+# root reads and writes any folder; without these capabilities it meets a folder's permissions, as a user does
+NO_DAC_OVERRIDE = ["setpriv", "--bounding-set=-dac_override,-dac_read_search"] if os.geteuid() == 0 else []
+
+
+def system_error_cases(c: Cases) -> None:
+    """6. read-only folders, a non-UTF-8 --out, a full disk and a folder in the way: one sentence each."""
+    t = c.t
+    (t / "ro").mkdir()
+    shutil.copytree(t / "pre", t / "ro/run")
+    shutil.copytree(t / "hf", t / "ro/hf")
+    for d in ("ro", "ro/run", "ro/hf"):
+        (t / d).chmod(0o555)
+    before = snapshot(t / "ro")
+    unchanged = lambda: f"read-only folder unchanged: {snapshot(t / 'ro') == before}"  # noqa: E731
+    for what, args in [("pretrain into", ["pretrain", "--out", t / "ro/new", "--steps", 1]),
+                       ("pretrain --resume of a run in", ["pretrain", "--out", t / "ro/run", "--steps", 4, "--resume"]),
+                       ("export into", ["export", t / "pre", "--to", t / "ro/hf2"]),
+                       ("export --overwrite of an export in", ["export", t / "pre", "--to", t / "ro/hf", "--overwrite"]),
+                       ("import-hf into", ["import-hf", t / "hf", "--out", t / "ro/imported"])]:
+        c.run(f"{what} a read-only folder", args, wrap=NO_DAC_OVERRIDE, check=unchanged)
+    for d in ("ro", "ro/run", "ro/hf"):
+        (t / d).chmod(0o755)
+    bad = os.fsdecode(os.fsencode(str(t)) + b"/run\xff")
+    c.run("pretrain --out with a byte that is not UTF-8", ["pretrain", "--out", bad, "--steps", 1],
+          check=lambda: f"--out written: {os.path.exists(bad)}")
+    c.run("export with a 1 MB file-size limit (model.safetensors is 2 MB)", ["export", t / "pre", "--to",
+                                                                           t / "hf_fsz"], file_limit=2**20,
+          check=lambda: f"--to written: {(t / 'hf_fsz').exists()}")
+    shutil.copytree(t / "hf", t / "hf_dir")
+    (t / "hf_dir/model.safetensors").unlink()
+    (t / "hf_dir/model.safetensors").mkdir()
+    config = digest(t / "hf_dir/config.json")
+    c.run("export --overwrite onto an earlier export whose model.safetensors is now the user's folder",
+          ["export", t / "pre", "--to", t / "hf_dir", "--overwrite"],
+          check=lambda: f"config.json unchanged: {digest(t / 'hf_dir/config.json') == config}")
+
+
+def role_cases(c: Cases) -> None:
+    """7. SFT data with roles out of order is refused with file:line; MiniMind-3's tool turns are kept."""
+    t = c.t
+    line = lambda *roles: json.dumps({"conversations": [{"role": r, "content": f"a {r} turn"}  # noqa: E731
+                                                        for r in roles]}) + "\n"
+    for what, roles in [("assistant first", ("assistant", "user", "assistant")),
+                        ("user then user", ("user", "user", "assistant")),
+                        ("assistant then assistant", ("user", "assistant", "assistant"))]:
+        data = c.data(f"roles_{len(c.rows)}.jsonl", [line("user", "assistant"), line(*roles)])
+        c.run(f"SFT data: {what}", ["sft", "--out", t / "s_roles", "--init", t / "pre", "--data", data, "--steps", 1])
+    data = c.data("late_system.jsonl", [line("user", "assistant", "system", "user", "assistant")])
+    c.run("SFT data: a system turn in the middle (MiniMind-3's template renders it)", [], python=(
+        "from minimind_lib.corpus import JsonlReader; r = JsonlReader('" + str(data) + "', kind='sft'); n = "
+        "len(list(r)); print(n, r.counts()['n_late_system_turns'])"), expect=0)
+    c.run("SFT data with MiniMind-3's tool turns (sft_t2t_mini.jsonl)", [], python=(
+        "from minimind_lib.corpus import JsonlReader; print(len(list(JsonlReader('data/sft_t2t_mini.jsonl', "
+        "kind='sft'))))"), expect=0)
+
+
+def tool_cases(c: Cases) -> None:
+    """8. The benchmarks and tools refuse bad arguments in one line, and zero is never read as the default."""
+    t = c.t
+    bench = [sys.executable, "-m", "benchmarks"]
+    empty = c.data("empty_bench.jsonl", [])
+    for what, args in [("--batch -1", ["accumulation", "--batch", -1]), ("--k 0", ["accumulation", "--k", 0]),
+                       ("--profile bogus", ["accumulation", "--profile", "bogus"]),
+                       ("--batches 0", ["batching", "--batches", 0]),
+                       ("--data a missing file", ["memmap", "--data", t / "missing.jsonl"]),
+                       ("--seq-len 0", ["memmap", "--seq-len", 0]), ("--steps 0", ["throughput", "--steps", 0]),
+                       ("--data an empty file", ["throughput", "--profile", "smoke", "--data", empty])]:
+        c.run(f"benchmarks {args[0]} {what}", [], argv=[*bench, *args])
+    if not torch.cuda.is_available():
+        for name in ("accumulation", "throughput"):
+            c.run(f"benchmarks {name} --device cuda without CUDA", [], argv=[*bench, name, "--device", "cuda",
+                                                                              "--profile", "smoke"])
+    (t / "existing").mkdir()
+    tools = ROOT / "tools"
+    c.run("make_reference.py --work an existing folder", [], argv=[sys.executable, tools / "make_reference.py", "smoke",
+                                                                  "--work", t / "existing"])
+    c.run("run_course.py --out a file", [], argv=[sys.executable, tools / "run_course.py", "--out", t / "afile"])
+    c.run("run_course.py --only 99", [], argv=[sys.executable, tools / "run_course.py", "--out", t / "rc", "--only",
+                                               99], check=lambda: f"--out written: {(t / 'rc').exists()}")
+    c.run("doc_numbers.py of a missing file", [], argv=[sys.executable, tools / "doc_numbers.py", t / "missing.md"])
+
+
+def long_line_case(c: Cases) -> None:
+    """9. A long single-line document is tokenized in bounded pieces."""
+    text = "\n".join(json.loads(line)["text"] for line in (DATA / "pretrain.jsonl").open(encoding="utf-8"))
+    (c.t / "long.jsonl").write_text(json.dumps({"text": text}, ensure_ascii=False) + "\n", encoding="utf-8")
+    c.run(f"tokenize a single-line jsonl of {(c.t / 'long.jsonl').stat().st_size / 1e6:.0f} MB", [], python=(
+        "import resource; from minimind_lib.corpus import tokenize_to_memmap; from minimind_lib.tokenizer import "
+        "load_tokenizer; i = tokenize_to_memmap('" + str(c.t / "long.jsonl") + "', load_tokenizer(), '"
+        + str(c.t / "long") + "', num_workers=0, progress=False); print(i.n_tokens, 'tokens; peak RSS', "
+        "resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024, 'MB')"), expect=0)
+
+
+def issue43_cases(c: Cases) -> None:
+    export_eval_cases(c)
+    sft_holdout_cases(c)
+    json_and_metrics_cases(c)
+    handout_cases(c)
+    system_error_cases(c)
+    role_cases(c)
+    tool_cases(c)
+    long_line_case(c)
+
+
 CHOICES = [
     "Files the program leaves beside a user's start with `.minimind-` (the lock `.minimind-lock`, temp files "
     "`.minimind-tmp.*`). Leftover temp files are removed only from a folder whose `config.json` is a run of this "
@@ -425,6 +669,32 @@ CHOICES = [
     "scale) or ends with no evaluation of its final model lists why in `summary.json`'s `shortfalls`, and exits 2 "
     "unless `--allow-skipped-steps` (then it warns on stderr). The final model is evaluated after the loop whenever "
     "the last step left no validation loss, so `final_val_loss` is always the saved model's.",
+    "`eval` of a transformers export first reads it as `import-hf` does (config.json's fields, the tokenizer's vocab, "
+    "every weight's name and shape against the model config.json describes), then loads it with transformers and "
+    "refuses it if transformers reports a missing, unexpected or mis-shaped weight: a table is printed only for the "
+    "model the files name. `max_position_embeddings` is at most 131,072 (the rotary tables hold a row per position).",
+    "SFT holds out 5% of the conversations that train something (an assistant token within `seq_len`): the same "
+    "draw as before, skipping those that train nothing, so a file where every conversation trains holds out the same "
+    "rows. A file with too few such conversations is refused before anything is written, naming their lines, where "
+    "their first answer starts and the `--seq-len` that would reach it.",
+    "`--json` is strict JSON: a NaN or infinite value is written as null and named in `nulls`; a measurement that "
+    "cannot be made (no assistant token within the context) is null with its reason beside it, and `eval` then "
+    "exits 3. `compare` refuses a `metrics.csv` whose last row has no end of line, whose row lacks fields, whose cell "
+    "is not a number, or which holds fewer trained tokens than the run's `summary.json` says it trained.",
+    "`make handout` writes its manifest before it replaces the first file, listing for each file both the SHA-256 "
+    "it has and the one it will have: a kill at any point leaves a folder the next run accepts, and that run removes "
+    "the temp files the killed one left. It removes an earlier handout's file only when it is of a kind the handout "
+    "writes (a chapter, a file beside them, a solution, a data file), unchanged, and inside the handout folder once "
+    "links are resolved; it never writes through a folder that links elsewhere.",
+    "An OS error reaches the user as one sentence naming the path and what to do (permission denied, read-only file "
+    "system, no space, the file-size limit, a folder where a file is needed), from every command, the benchmarks and "
+    "the tools. Paths a run records must be UTF-8.",
+    "SFT data is refused (file:line) when an answer has no user turn before it or two user or two assistant turns "
+    "follow each other; a system turn after the first is kept, as MiniMind-3's template renders it, and counted "
+    "(`n_late_system_turns`) with a warning naming the first line.",
+    "A text longer than 262,144 characters is encoded in pieces cut where the tokenizer splits anyway (around a "
+    "special token, or where its pre-tokenizer starts a word), so the ids are those of the whole text and the "
+    "encoder holds one piece at a time.",
 ]
 
 
@@ -434,7 +704,8 @@ def write_table(rows: list, path: Path) -> None:
              "fresh process, in the smoke profile on tiny sizes (`TINY` = `" + " ".join(TINY) + "`), in a temporary "
              "folder `T` where `T/pre` is a finished 2-step pretraining run. `minimind` stands for `python -m "
              "minimind_lib`. *as promised* means the exit code is the expected one (0 for a run meant to succeed, 2 "
-             "for a refused input, 1 for a library call that raises) with no traceback.", "",
+             "for a refused input, 1 for a library call that raises or a run `compare` finds diverged, 3 for a "
+             "measurement `eval` cannot make, -9 for a process killed on purpose) with no traceback.", "",
              f"{len(rows)} cases, {sum(r[4] == 'yes' for r in rows)} as promised.", "",
              "| case | command | exit | first error line (or what was checked) | as promised |",
              "|---|---|---|---|---|"]
@@ -459,6 +730,7 @@ def main() -> int:
         api_cases(c)
         export_cases(c)
         shortfall_cases(c)
+        issue43_cases(c)
     write_table(c.rows, Path(args.out))
     print(f"wrote {args.out}: {len(c.rows)} cases, {sum(r[4] != 'yes' for r in c.rows)} not as promised")
     return 0

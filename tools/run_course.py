@@ -134,6 +134,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kernel", default=None,
                         help="Jupyter kernel name (default: minimind when registered, else python3 = this Python)")
     args = parser.parse_args(argv)
+    blocking = next((p for p in (args.out, *args.out.parents) if p.exists() and not p.is_dir()), None)
+    if blocking is not None:
+        parser.error(f"--out {args.out}: {blocking} is a file, not a folder")
+    unmatched = [prefix for prefix in args.only or () if not notebook_paths(REPO_DIR / "notebooks", [prefix])]
+    if unmatched:
+        parser.error(f"--only {' '.join(unmatched)}: no notebook's name starts with that (the notebooks: "
+                     f"{', '.join(p.name[:2] for p in notebook_paths(REPO_DIR / 'notebooks'))})")
     args.out.mkdir(parents=True, exist_ok=True)
     records = run_course(args.out, args.inplace, args.only, args.timeout, choose_kernel(args.kernel), args.timings_dir,
                          args.deadline)
