@@ -1,9 +1,7 @@
 """The lab edition's checks: this engine, and a table of regions per chapter (chNN_*.py beside it).
-
-`X = lab.check(name, X)` after a region: a stub gets "not written yet", a hint and the library's
-rule; written code runs on the region's fixed cases (they decide: the same code, the same verdict),
-then on random ones, against the library. The first difference is named in the learner's terms; a
-usual mistake only when running it (the reference with one edit) gives exactly what yours gives."""
+`X = lab.check(name, X)` after a region: a stub gets "not written yet"; written code runs on the
+region's fixed cases (they decide), then random ones, against the library. The first difference is
+told in the learner's terms; a usual mistake named only when running it gives exactly yours."""
 import contextlib
 import copy
 import difflib
@@ -16,20 +14,15 @@ import os
 import pkgutil
 import textwrap
 from types import SimpleNamespace
-
 import numpy as np
 import torch
-
 from exercise_checks import NotRightYet
 
-NOT_WRITTEN, PASSED = "not written yet", "passed"
 REGIONS, HISTORY = {}, {}  # name -> its check; an object checked -> (its region, its verdict)
-
 class Case:
     """One input of a check: what it is in the learner's words, the arguments, its own tolerance."""
     def __init__(self, what, *args, tol=None):
         self.what, self.args, self.tol = what, args, tol
-
 def edited(fn, *pairs, **names):
     """`fn` with each (old, new) replaced in its source, and `names` in its globals: a mistake."""
     @functools.cache
@@ -45,18 +38,14 @@ def edited(fn, *pairs, **names):
     wrong = lambda *args, **kw: build()(*args, **kw)  # noqa: E731  (a function: binds as a method)
     wrong.build = build
     return wrong
-
 def region(name, hint, reference, fixed, mistakes=(), **kw):
-    """Declare the check of region `name` (as tools/handout.py names it: "RMSNorm.forward").
-
-    hint: where to look, never the answer. reference: the library's function (a method region: its
-    rule as that method). fixed: the cases always run (or a function giving them), each a Case or
-    a tuple of arguments. mistakes: (what it does and what to change, then the wrong version, an
-    (old, new) edit of the reference's source, or a list of edits). Optional: drawn (a Generator ->
-    random cases), run (an implementation, a case -> its output or a dict of named outputs), tol
-    (relative and absolute; (tight, loose, share): all within loose, at most a share beyond tight;
-    {output: tol}), method (run gets a class), output (its name), axes (an output tensor's axes),
-    reading ((case, index) -> what such a difference usually means), around (a context for runs)."""
+    """Declare region `name`'s check (as tools/handout.py names it). hint: where to look; reference:
+    the library's rule; fixed: cases always run (or a function giving them), a Case or a tuple of
+    arguments each; mistakes: (what it does and what to change, the wrong version: a function, an
+    (old, new) edit of the reference's source, or a list of edits). Optional: drawn (Generator ->
+    cases), run ((implementation, case) -> output or {name: output}), tol (a number, (tight, loose,
+    share beyond tight) or {output: tol}), method (run gets a class), output (its name), axes (a
+    tensor output's), reading ((case, index) -> what it usually means), around (a context)."""
     wrong = [(m[0], m[1] if callable(m[1]) else edited(reference, *(
         [m[1:]] if isinstance(m[1], str) else m[1]))) for m in mistakes]
     REGIONS[name] = SimpleNamespace(**{
@@ -64,24 +53,16 @@ def region(name, hint, reference, fixed, mistakes=(), **kw):
         "method": None, "output": "the result", "axes": (), "reading": None,
         "around": contextlib.nullcontext, **kw}, name=name, hint=hint, reference=reference,
         fixed=fixed, mistakes=wrong)
-
-def _cases(r, cases):
-    """Cases; a tuple of arguments is named by the call (a small tensor by its values)."""
+def _cases(r, cases):  # Case each; a tuple of arguments is named by the call
     def shown(v):
         if torch.is_tensor(v) and v.numel() >= 20:
             return f"a tensor of shape {tuple(v.shape)}"
         return repr(v.tolist() if torch.is_tensor(v) else v)
     return [c if isinstance(c, Case) else Case(f"{r.name}({', '.join(map(shown, c))})", *c)
             for c in (cases() if callable(cases) else cases)]
-
-def _impl(r, yours, rule):
-    """`rule`, or for a method region the learner's class (its __init__, helpers) with it."""
-    if not r.method:
-        return rule
-    return type(yours.__name__, (yours,), {r.method: rule, "__doc__": yours.__doc__})
-
-def differs(what, yours, want, tol, at=()):
-    """(the first difference between yours and the library's `want` in words, its index) or None."""
+def _impl(r, yours, rule):  # rule, or for a method region the learner's class with it
+    return type(yours.__name__, (yours,), {r.method: rule}) if r.method else rule
+def differs(what, yours, want, tol, at=()):  # (the first difference in words, its index) or None
     tol = tol.get(what, 1e-5) if isinstance(tol, dict) else tol
     first = lambda found: next(filter(None, found), None)  # noqa: E731
     if isinstance(want, dict):
@@ -104,18 +85,16 @@ def differs(what, yours, want, tol, at=()):
     if isinstance(yours, np.generic) or torch.is_tensor(yours) and yours.dim() == 0:
         yours = yours.item()
     t = tol[0] if isinstance(tol, tuple) else tol
+    same = type(yours) is type(want) and yours == want
     if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (yours, want)):
-        same = math.isclose(yours, want, rel_tol=t, abs_tol=t) or math.isnan(yours) and math.isnan(
-            want)
-    else:
-        same = type(yours) is type(want) and yours == want
+        nan = math.isnan(yours) and math.isnan(want)
+        same = nan or math.isclose(yours, want, rel_tol=t, abs_tol=t)
     where = f" differs first at index {at}:" if at else ":"
     return None if same else (f"{what}{where} yours {yours!r}, the library's {want!r}", at)
-
 def _tensor_differs(what, yours, want, tol, at):
-    if not torch.is_tensor(yours) or yours.shape != want.shape or yours.dtype != want.dtype:
-        kind = f"{yours.dtype} of shape {tuple(yours.shape)}" if torch.is_tensor(yours) else type(
-            yours).__name__
+    kind = f"{yours.dtype} of shape {tuple(yours.shape)}" if torch.is_tensor(yours) else type(
+        yours).__name__
+    if kind != f"{want.dtype} of shape {tuple(want.shape)}":
         return f"{what} is {kind}; the library's is {want.dtype} of shape {tuple(want.shape)}", at
     tight, loose, share = tol if isinstance(tol, tuple) else (tol, tol, 0.0)
     y, w = yours.detach().double().cpu(), want.detach().double().cpu()
@@ -128,48 +107,36 @@ def _tensor_differs(what, yours, want, tol, at):
         "math cast at the end differs on a few at most")
     return (f"{what} differs first at index {at + first}: yours {y[first]:.6g}, the library's "
             f"{w[first]:.6g} ({count})"), at + first
-
-def _outputs(r, impl, case):
-    """What an implementation gives on a case: {output name: value}, or the exception it raised."""
+def _outputs(r, impl, case):  # {output name: value}, or the exception raised
     try:
         out = r.run(impl, case)
     except Exception as e:  # the code raised: a shape, a name, a type
         return e
     return out if isinstance(out, dict) and r.output == "the result" else {r.output: out}
-
-def _same(a, b, tol):
-    """Whether two outputs agree to the tight tolerance (two exceptions: the same message)."""
+def _same(a, b, tol):  # equal to the tight tolerance (exceptions: same message)
     if isinstance(a, Exception) or isinstance(b, Exception):
         return repr(a) == repr(b)
     tight = tol[0] if isinstance(tol, tuple) else tol
     return not any(differs(k, a.get(k), b[k], tight) for k in b)
-
 def _code(r, yours):
     fn = getattr(yours, r.method, None) if r.method else yours
     if fn is getattr(torch.nn.Module, r.method or "", None):
         return None  # nn.Module's own forward: the class has none
     return getattr(inspect.unwrap(fn), "__code__", None)
-
-def _is_stub(code):
-    """Whether a function's code is nbgrader's stub alone: `raise NotImplementedError()`."""
+def _is_stub(code):  # nbgrader's stub alone: raise NotImplementedError()
     skip = ("RESUME", "NOP", "PRECALL", "PUSH_NULL", "CACHE")
     ops = [i for i in dis.get_instructions(code) if i.opname not in skip]
     return [i.opname for i in ops] == ["LOAD_GLOBAL", "CALL", "RAISE_VARARGS"] and \
         ops[0].argval == "NotImplementedError"
-
 def _raised(r, yours, e):
     code, tb = _code(r, yours), e.__traceback__
     while tb is not None and tb.tb_next is not None:
         tb = tb.tb_next
     if isinstance(e, NotImplementedError) and tb is not None and tb.tb_frame.f_code is code:
-        return (f"your code runs into the stub's `raise NotImplementedError()` ("
-                f"{tb.tb_lineno - code.co_firstlineno} lines below `def {code.co_name}`): delete "
-                "that line once the code above it is written")
+        return (f"your code runs into the stub's `raise NotImplementedError()`, line "
+                f"{tb.tb_lineno - code.co_firstlineno} below `def {code.co_name}`: delete it")
     return f"running it raised {type(e).__name__}: {e}"
-
-def _verdict(r, yours, seed):
-    """None when yours agrees with the reference on every case, else (case, difference, index,
-    cause, whether the case was drawn)."""
+def _verdict(r, yours, seed):  # None, or (case, difference, index, cause, drawn)
     fixed, drawn = _cases(r, r.fixed), _cases(r, r.drawn(torch.Generator().manual_seed(seed)))
     got = [_outputs(r, yours, c) for c in fixed]
     for i, case in enumerate(fixed + drawn):
@@ -186,7 +153,6 @@ def _verdict(r, yours, seed):
                 for m, c in zip(mine_all, cases))), None)
             return case, found[0], found[1], cause, i >= len(fixed)
     return None
-
 @contextlib.contextmanager
 def _stand_ins(yours):
     """While yours is checked: the library's rule in place of every other region's failed object
@@ -210,10 +176,7 @@ def _stand_ins(yours):
         yield notes
     finally:
         g.update(swapped)
-
-def _whose(notes, passed):
-    """Whose code the check ran: the other regions' objects it used (after a pass, only when some
-    were not the learner's)."""
+def _whose(notes, passed):  # the other regions' objects the check used
     said = {"passed": "your {} (passed)", "library": "the library's {} (yours is not written yet)",
             "failed": "the library's rule in place of your {}, which has not passed its check"}
     names = {v: ", ".join(n for n, verdict in notes if verdict == v) for v in said}
@@ -221,7 +184,6 @@ def _whose(notes, passed):
     after = f" The notebook goes on with yours, which uses your {names['failed']}: fix it, run " \
         "its check again." if passed and names["failed"] else ""
     return f" Whose code: checked with {'; '.join(said)}.{after}" if said else ""
-
 def check(name, yours):
     """Check what region `name` defined; return what the notebook uses from here on."""
     r = REGIONS[name]
@@ -229,13 +191,12 @@ def check(name, yours):
     if code is None:
         what = f"it is a {type(yours).__name__}, not a {'class' if r.method else 'function'}"
         if isinstance(yours, type) and r.method:
-            near = difflib.get_close_matches(r.method, [k for k, v in vars(yours).items()
-                                                        if callable(v)], 1)
+            near = difflib.get_close_matches(r.method, [k for k in vars(yours) if k[0] != "_"], 1)
             what = f"your class {yours.__name__} has no method `{r.method}`" + (
                 f" (it has `{near[0]}`: a misspelling?)" if near else "")
         raise NotRightYet(f"{name}: not right yet: {what}. Hint: {r.hint}")
     if _is_stub(code):
-        print(f"{name}: {NOT_WRITTEN}. Hint: {r.hint} Until it is, the notebook goes on with "
+        print(f"{name}: not written yet. Hint: {r.hint} Until it is, the notebook goes on with "
               "minimind_lib's version.")
         stand_in = _impl(r, yours, r.reference)
         HISTORY[stand_in] = (name, "library")
@@ -245,36 +206,30 @@ def check(name, yours):
         found = _verdict(r, yours, seed)
     HISTORY[yours] = (name, "failed" if found else "passed")
     if found is None:
-        print(f"{name}: {PASSED} (equal to minimind_lib's on fresh random inputs); the notebook "
+        print(f"{name}: passed (equal to minimind_lib's on fresh random inputs); the notebook "
               f"uses yours from here on.{_whose(notes, True)}")
         return yours
     case, difference, at, cause, drawn = found
     if r.axes and len(at) == len(r.axes):
         difference += f" ({', '.join(f'{a} {i}' for a, i in zip(r.axes, at))})"
-    where = f" {r.reading(case, at)}" if r.reading and at and not cause else ""
-    error = NotRightYet(f"{name}: not right yet: on {case.what}, {difference}.{where}"
-                        + (f" It gives exactly what this usual mistake gives: {cause}" if cause
-                           else "") + _whose(notes, False)
-                        + (f" (A random case, seed {seed}.)" if drawn else "") + f" Hint: {r.hint}")
+    where = f" {r.reading(case, at)}" if r.reading and at else ""
+    said = f" It gives exactly what this usual mistake gives: {cause}" if cause else where
+    seeded = f" (A random case, seed {seed}.)" if drawn else ""
+    error = NotRightYet(f"{name}: not right yet: on {case.what}, {difference}.{said}"
+                        f"{_whose(notes, False)}{seeded} Hint: {r.hint}")
     error.cause = cause  # the usual mistake named, or None
     raise error from None
-
-def draw(g, low, high):
-    """An integer from low to high, both included."""
+def draw(g, low, high):  # an integer from low to high, both included.
     return int(torch.randint(low, high + 1, (1,), generator=g))
-
 def pick(g, options):
     return options[draw(g, 0, len(options) - 1)]
-
-def randomized(module, seed):
-    """Every parameter drawn from `seed`, norm gains away from 1 (a forgotten gain shows)."""
+def randomized(module, seed):  # parameters drawn from seed, norm gains away from 1
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in module.named_parameters():
             p.copy_(torch.rand(p.shape, generator=g) + 0.5 if "norm" in name
                     else torch.randn(p.shape, generator=g) / 5)
     return module.eval()
-
 for _table in sorted(m.name for m in pkgutil.iter_modules(__path__) if m.name.startswith("ch")):
     importlib.import_module(f"{__name__}.{_table}")
 from .ch09_beyond_one_gpu import per_rank_memory  # noqa: E402,F401  (09's reference, for tests)
