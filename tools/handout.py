@@ -59,7 +59,8 @@ from minimind_lib.fileio import TMP_PREFIX, atomic_open, explain
 from minimind_lib.paths import REPO_DIR
 
 BESIDE_NOTEBOOKS = ("exercise_checks.py", "lab_checks", "chat_box.py", "band_plot.py", "ddp_demo.py", "figures",
-                    "verdict.py", "step_timing.py", "accumulation_harness.py", "precision_harness.py")
+                    "verdict.py", "step_timing.py", "accumulation_harness.py", "precision_harness.py",
+                    "batching_harness.py")
 BESIDE_SOLUTIONS = ("exercise_checks.py",)
 DATA_FILES = ("pretrain.jsonl", "pretrain_val.jsonl", "sft.jsonl", "pretrain_t2t_mini.jsonl", "sft_t2t_mini.jsonl",
               "LICENSES.md", "README.md")
