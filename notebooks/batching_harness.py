@@ -13,6 +13,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+import verdict  # the paired ratios of timings (beside this module)
 from minimind_lib import batching
 from minimind_lib.data import pad_collate, trained_tokens
 from minimind_lib.device import synchronize
@@ -112,17 +113,17 @@ def train_round_robin(model, batches: dict, device, lr: float, reps: int, warmup
 
 def speed_table(timing: dict) -> pd.DataFrame:
     """Per data set and strategy: counted positions and useful tokens, the linear cost model's speed-up over fixed
-    ((1 - w_other) / (1 - w_fixed)) and the measured speed-up's median, min and max over the repeats."""
+    ((1 - w_other) / (1 - w_fixed)) and the measured speed-up: verdict.ratios of the repeats, paired with fixed's."""
     rows = []
     for data, t in timing.items():
         f = t["fixed"]
         for strat, r in t.items():
-            speedup = r["useful_tokens_per_s"] / f["useful_tokens_per_s"]  # one per repeat
+            speedup = verdict.ratios(list(r["useful_tokens_per_s"]), list(f["useful_tokens_per_s"]))  # paired repeats
             rows.append({"data": data, "strategy": strat, "positions": r["positions"], "useful_tokens": r["useful"],
                          "wasted_fraction": 1 - r["useful_fraction"],
                          "linear_model": r["useful_fraction"] / f["useful_fraction"],
-                         "measured_median": np.median(speedup), "measured_min": speedup.min(),
-                         "measured_max": speedup.max()})
+                         "measured_median": speedup["median"], "measured_min": speedup["min"],
+                         "measured_max": speedup["max"]})
     return pd.DataFrame(rows)
 
 
