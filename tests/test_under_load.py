@@ -133,10 +133,10 @@ def test_busy_processes_end_when_pytest_is_killed(tmp_path):
 
 
 def test_under_xdist_the_chapters_that_start_from_07s_runs_go_with_07_in_order():
-    from tests.notebooks_stage import scope_of
+    from tests.notebooks_stage import TOGETHER, scope_of
 
     scopes = {p.stem: scope_of(f"notebooks/{p.name}::Cell 0") for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb")}
     assert scopes["08_sft"] == scopes["07_pretrain"] == "notebooks/07_pretrain.ipynb"
     assert scope_of("notebooks/10_lora_dpo.ipynb::Cell 3") == "notebooks/07_pretrain.ipynb"
-    alone = {stem: scope for stem, scope in scopes.items() if stem not in ("07_pretrain", "08_sft")}
+    alone = {stem: scope for stem, scope in scopes.items() if stem not in ("07_pretrain", *TOGETHER)}
     assert alone == {stem: f"notebooks/{stem}.ipynb" for stem in alone}
