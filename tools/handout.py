@@ -2,7 +2,8 @@
 
 Writes, output-stripped (no outputs, execution counts or cell timings):
 - OUT/notebooks/: the chapters (notebooks/NN_*.ipynb) as they are, and what they read beside them (exercise_checks.py,
-  lab_checks/, chat_box.py, band_plot.py, ddp_demo.py, figures/);
+  lab_checks/, chat_box.py, band_plot.py, ddp_demo.py, figures/, and the helper modules verdict.py, run_report.py,
+  ddp_report.py);
 - OUT/lab/: the lab edition: the same chapters with every solution region replaced by a stub, and the same files
   beside them. A region is nbgrader's: the lines from one holding `### BEGIN SOLUTION` to one holding
   `### END SOLUTION` become `# YOUR CODE HERE` and `raise NotImplementedError()` at the BEGIN line's indentation, as
@@ -58,7 +59,8 @@ import nbformat
 from minimind_lib.fileio import TMP_PREFIX, atomic_open, explain
 from minimind_lib.paths import REPO_DIR
 
-BESIDE_NOTEBOOKS = ("exercise_checks.py", "lab_checks", "chat_box.py", "band_plot.py", "ddp_demo.py", "figures")
+BESIDE_NOTEBOOKS = ("exercise_checks.py", "lab_checks", "chat_box.py", "band_plot.py", "ddp_demo.py", "figures",
+                    "verdict.py", "run_report.py", "ddp_report.py")
 BESIDE_SOLUTIONS = ("exercise_checks.py",)
 DATA_FILES = ("pretrain.jsonl", "pretrain_val.jsonl", "sft.jsonl", "pretrain_t2t_mini.jsonl", "sft_t2t_mini.jsonl",
               "LICENSES.md", "README.md")
