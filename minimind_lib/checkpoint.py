@@ -24,6 +24,7 @@ from torch import nn
 from .checks import require
 from .corpus import tokenizer_fingerprint
 from .fileio import PREFIX, TMP_PREFIX, atomic_open, atomic_write_text, check_utf8_path
+from .lora import apply_lora, load_lora, merge_lora
 from .model import MiniMindConfig, MiniMindForCausalLM
 from .tokenizer import CONFIG_FILE as TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, check_vocab, load_tokenizer
 
@@ -245,12 +246,15 @@ def load_training_state(path: str | Path, model: nn.Module, *, optimizer: torch.
 RUN_FORMAT, RUN_VERSION = "minimind-run", 1
 CONFIG_FILE, MODEL_FILE, TOKENIZER_DIR, METRICS_FILE = "config.json", "model.pth", "tokenizer", "metrics.csv"
 STATE_FILE, SAMPLES_FILE, SUMMARY_FILE = "last.pt", "samples.jsonl", "summary.json"
-RUN_FILES = (CONFIG_FILE, MODEL_FILE, METRICS_FILE, STATE_FILE, SAMPLES_FILE, SUMMARY_FILE)
+LORA_FILE = "lora.pth"  # a LoRA run's adapters, in MiniMind's keys (notebook 10: lora.lora_state)
+RUN_FILES = (CONFIG_FILE, MODEL_FILE, METRICS_FILE, STATE_FILE, SAMPLES_FILE, SUMMARY_FILE,
+             LORA_FILE)
 LOG_DIRS = ("tensorboard", "wandb")  # what --log writes into a run directory (loggers.py)
 # config.json's settings that fix the order and shape of the data: resuming with another value would train on
 # other batches than the saved position refers to, so it is an error.
 RESUME_KEYS = ("stage", "model", "data", "val_data", "seq_len", "max_tokens", "val_batches", "max_samples", "batching",
-               "long_docs", "init", "on_error", "data_fingerprint", "val_data_fingerprint")
+               "long_docs", "init", "on_error", "data_fingerprint", "val_data_fingerprint", "lora",
+               "dpo")
 
 
 class RunError(ValueError):
@@ -365,9 +369,13 @@ def check_resume(out: Path, run_cfg: dict, cfg: Any, dinfo: Any) -> dict | None:
 
 
 def load_run(run_dir: str | Path, device: torch.device | str | None = None):
-    """(model, tokenizer, config) of a run directory; clear errors for a missing/corrupt checkpoint or vocab mismatch."""
+    """(model, tokenizer, config) of a run directory; clear errors for a missing/corrupt checkpoint
+    or vocab mismatch. A LoRA run without model.pth (notebook 10): its lora.pth on the run it
+    started from, folded in."""
     cfg = read_run_config(run_dir := Path(run_dir))
-    if not (run_dir / MODEL_FILE).is_file():
+    has_model = (run_dir / MODEL_FILE).is_file()
+    adapters = not has_model and (run_dir / LORA_FILE).is_file() and bool(cfg.get("lora"))
+    if not ((run_dir / MODEL_FILE).is_file() or adapters):
         raise FileNotFoundError(f"checkpoint not found: {run_dir / MODEL_FILE} (did the run in {run_dir} finish?)")
     try:
         mcfg = MiniMindConfig.from_dict(cfg["model"])
@@ -379,7 +387,13 @@ def load_run(run_dir: str | Path, device: torch.device | str | None = None):
         raise RunError(f"{run_dir / TOKENIZER_DIR}: this tokenizer is not the one the model was trained with "
                        f"(fingerprint {tokenizer_fingerprint(tok)}, {CONFIG_FILE} says {fp})")
     model = MiniMindForCausalLM(mcfg)
-    load_checkpoint(run_dir / MODEL_FILE, model)  # weights_only=True; names the file when corrupt or mismatched
+    if adapters:  # the run it started from, with its adapters (as `lora` trained them) folded in
+        model = apply_lora(load_run(cfg["init"])[0], cfg["lora"]["rank"], cfg["lora"]["alpha"])
+        path = run_dir / LORA_FILE
+        load_lora(model, load_weights_only(path, "LoRA file"), str(path))
+        merge_lora(model)
+    else:  # weights_only=True; names the file when corrupt or mismatched
+        load_checkpoint(run_dir / MODEL_FILE, model)
     return (model if device is None else model.to(device)).eval(), tok, cfg
 
 

@@ -1,4 +1,5 @@
-"""The command line of notebooks 07_pretrain and 08_sft: `python -m minimind_lib info|pretrain|sft|chat|compare|eval`.
+"""The command line of notebooks 07_pretrain, 08_sft and 10_lora_dpo:
+`python -m minimind_lib info|pretrain|sft|lora|dpo|chat|export|import-hf|compare|eval`.
 
 It calls the same functions as the notebooks (pipeline.pretrain/sft, checkpoint.load_run, generate.chat): no copy
 of their logic; `--help` on each command lists its options. Every bad input (a zero or negative size, missing or
@@ -31,7 +32,7 @@ from .fileio import explain
 from .generate import chat
 from .loggers import LOGGERS
 from .model import PRESETS
-from .pipeline import RunSettings, pretrain, sft
+from .pipeline import RunSettings, dpo, lora, pretrain, sft
 from .profiles import get_profile
 
 
@@ -59,14 +60,32 @@ def device(text: str) -> str:
 
 
 def _add_train_args(p: argparse.ArgumentParser, stage: str) -> None:
-    p.add_argument("--data", default=None, help=f"jsonl file (default: data/{stage}.jsonl); MiniMind's own files work")
+    default = {"lora": "sft"}.get(stage, stage)
+    p.add_argument("--data", default=None,
+                   help=f"jsonl file (default: data/{default}.jsonl); MiniMind's own files work")
     p.add_argument("--out", required=True, help="run directory to write (config.json, model.pth, tokenizer/, metrics.csv, last.pt)")
     p.add_argument("--profile", default=None, help="sizes from this profile: smoke, workshop, cpu, gpu (default: MINIMIND_PROFILE or auto)")
     if stage == "pretrain":
         p.add_argument("--config", default=None, help=f"model preset: {', '.join(PRESETS)} (default: the profile's)")
         p.add_argument("--tokenizer", dest="tokenizer_dir", help="tokenizer directory (default: the bundled 6400-token one)")
-    else:
+    elif stage == "sft":
         p.add_argument("--init", required=True, help="the pretraining run directory to start from")
+    else:
+        dpo, positive = stage == "dpo", number(float, 0.0, low_ok=False)
+        start = " (SFT's); also the frozen reference" if dpo else " (its weights stay frozen)"
+        rank = " (default: DPO trains every weight)" if dpo else " (default 8)"
+        p.add_argument("--from", dest="init", required=True, metavar="RUN",
+                       help="the run directory to start from" + start)
+        p.add_argument("--lora-rank", type=POSITIVE, default=None if dpo else 8,
+                       help="LoRA adapters of this rank beside the square Linears (q_proj, "
+                       "o_proj), the rest frozen" + rank)
+        p.add_argument("--lora-alpha", type=positive, default=None,
+                       help="the adapters' scale is alpha / rank (default: alpha = rank, scale 1)")
+    if stage == "lora":
+        p.add_argument("--merge", action="store_true", help="also write model.pth, adapters merged")
+    if stage == "dpo":
+        p.add_argument("--beta", type=positive, default=0.1,
+                       help="the DPO loss's beta (default 0.1): larger stays nearer the reference")
     p.add_argument("--max-tokens", type=POSITIVE, help="padded tokens per micro-batch (default: the profile's)")
     p.add_argument("--accum", dest="accum_steps", type=POSITIVE, help="micro-batches per step (default: the profile's)")
     p.add_argument("--amp", choices=("auto", "bf16", "fp16", "off"), default="auto", help="mixed precision (default: auto)")
@@ -132,8 +151,9 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    """Pretrain (or, for `sft`, fine-tune --init) into --out and print the run's summary as JSON."""
-    result = (pretrain if args.command == "pretrain" else sft)(**_train_kwargs(args))
+    """Pretrain (or fine-tune: sft --init, lora, dpo --from) into --out; print its summary."""
+    run = {"pretrain": pretrain, "sft": sft, "lora": lora, "dpo": dpo}[args.command]
+    result = run(**_train_kwargs(args))
     # Under torchrun every rank returns; only rank 0 has the whole summary (the process group is gone by now, so
     # ask torchrun's environment rather than torch.distributed).
     if os.environ.get("RANK", "0") == "0":
@@ -175,7 +195,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     """`export`: a run directory to the transformers format; `import-hf`: such a directory to a run directory."""
-    print(export_run(args.run_dir, args.to, args.dtype, args.overwrite, args.allow_other_files)
+    print(export_run(args.run_dir, args.to, args.dtype, args.overwrite, args.allow_other_files,
+                     args.adapter)
           if args.command == "export" else import_hf(args.hf_dir, args.out, args.overwrite, args.allow_other_files))
     return 0
 
@@ -214,13 +235,16 @@ def strict_json(value: Any, where: str, nulls: dict) -> Any:
 
 
 def add_subcommands(subparsers) -> None:
-    """Register info, pretrain, sft, chat, export, import-hf, compare and eval on an argparse subparsers object."""
+    """Register info, pretrain, sft, lora, dpo, chat, export, import-hf, compare and eval on a
+    subparsers object."""
     i = subparsers.add_parser("info", help="print device and profile facts as JSON")
     i.add_argument("--profile", default=None, help="profile name (default: MINIMIND_PROFILE or auto)")
     i.add_argument("--compact", action="store_true", help="one-line JSON")
     i.set_defaults(func=cmd_info)
     for stage, what in (("pretrain", "pretrain a MiniMind model on a {'text'} jsonl file"),
-                        ("sft", "supervised fine-tuning on a {'conversations'} jsonl file")):
+                        ("sft", "supervised fine-tuning on a {'conversations'} jsonl file"),
+                        ("lora", "SFT through LoRA adapters (lora.pth; --merge: also model.pth)"),
+                        ("dpo", "DPO on a {'chosen', 'rejected'} jsonl file (MiniMind's format)")):
         _add_train_args(subparsers.add_parser(stage, help=what), stage)
     c = subparsers.add_parser("chat", help="chat with a trained run directory")
     c.add_argument("--ckpt", required=True, help="a run directory (config.json, model.pth, tokenizer/)")
@@ -235,6 +259,9 @@ def add_subcommands(subparsers) -> None:
     e.add_argument("run_dir", help="a finished run directory (config.json, model.pth, tokenizer/)")
     e.add_argument("--to", required=True, help="directory to write: config.json, model.safetensors, tokenizer files")
     e.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="precision of the weights (default fp32)")
+    e.add_argument("--adapter", action="store_true",
+                   help="a LoRA run's adapters only, as a PEFT adapter directory (adapter_config"
+                   ".json, adapter_model.safetensors) for the export of the run it started from")
     h = subparsers.add_parser("import-hf", help="a transformers Llama/Qwen3/Qwen3-MoE directory to a run directory")
     h.add_argument("hf_dir", help="a transformers model directory (config.json, model.safetensors, tokenizer files)")
     h.add_argument("--out", required=True, help="the run directory to write (config.json, model.pth, tokenizer/)")

@@ -1,6 +1,8 @@
 """MiniMind's jsonl files, built in notebook 02_data: read and validated line by line (``read_jsonl``), encoded
 (``encode_pretrain``, ``encode_sft``) and tokenized once, in worker processes, into uint16 memmap files
-(``tokenize_to_memmap``), rebuilt only when the source file, the tokenizer or the settings change."""
+(``tokenize_to_memmap``), rebuilt only when the source file, the tokenizer or the settings change.
+Notebook 10_lora_dpo adds MiniMind's preference pairs (kind "dpo"), each stored as two SFT samples:
+its chosen conversation, then its rejected one."""
 
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ from .checks import require
 from .fileio import atomic_open, atomic_write_text, file_fingerprint
 from .tokenizer import PIECE_CHARS, ROLES, check_text, check_turn_extras
 
-KINDS = ("pretrain", "sft")
+KINDS = ("pretrain", "sft", "dpo")  # dpo: MiniMind's pairs, {"chosen": [...], "rejected": [...]}
 PAYLOAD = {"pretrain": "text", "sft": "conversations"}  # the key of a record that holds its sample
 ON_ERROR = ("raise", "skip")
 MEMMAP_FORMAT_VERSION = 2  # 2: SFT masks train the "\n" after <|im_end|> (MiniMind-3's tokens); older caches rebuild
@@ -57,6 +59,8 @@ def validate_record(record: Any, kind: str) -> list[str]:
     check_choice("kind", kind, KINDS)
     if not isinstance(record, dict):
         raise ValueError(f"expected a JSON object, got {type(record).__name__}")
+    if kind == "dpo":
+        return validate_pair(record)
     example = '{"text": "..."}' if kind == "pretrain" else '{"conversations": [{"role": "user", "content": "..."}, ...]}'
     if PAYLOAD[kind] not in record:
         raise ValueError(f"missing key {PAYLOAD[kind]!r} ({kind} lines look like {example}); keys: {sorted(record)}")
@@ -97,6 +101,28 @@ def validate_record(record: Any, kind: str) -> list[str]:
     if not any(turn["role"] == "assistant" for turn in conv):
         raise ValueError("conversations has no 'assistant' turn, so nothing would be trained")
     return [name for name in called if name not in declared]
+
+
+def validate_pair(record: dict) -> list[str]:
+    """A preference pair (notebook 10): two conversations that share every turn but the last, each
+    ending with a non-empty assistant reply, the replies different; else ValueError saying why."""
+    for side in ("chosen", "rejected"):
+        if side not in record:
+            raise ValueError(f"missing key {side!r} (dpo lines look like {{\"chosen\": [turns], "
+                             f"\"rejected\": [turns]}}); keys: {sorted(record)}")
+        try:
+            validate_record({"conversations": record[side]}, "sft")
+        except ValueError as e:
+            raise ValueError(f"key {side!r}: {e}") from None
+        if record[side][-1]["role"] != "assistant":
+            raise ValueError(f"key {side!r}: the last turn is a {record[side][-1]['role']!r} turn, "
+                             f"not the reply")
+    if record["chosen"] == record["rejected"]:
+        raise ValueError("'chosen' equals 'rejected': a pair must prefer one reply to another")
+    if record["chosen"][:-1] != record["rejected"][:-1]:
+        raise ValueError("'chosen' and 'rejected' differ before their last turn: a pair answers "
+                         "one conversation")
+    return []
 
 
 def order_problem(before: list[str], role: str) -> str:
@@ -274,10 +300,14 @@ def tokenize_samples(kind: str, payloads: list, tokenizer=None) -> tuple[np.ndar
         encoded = encode_texts(tok, payloads)
         seqs, masks = [np.concatenate([bos, ids, eos], dtype=np.int64) for ids in encoded], None
     else:
-        seqs, masks = zip(*[encode_sft(tok, c) for c in payloads]) if payloads else ([], [])
+        convs = payloads
+        if kind == "dpo":  # a pair's chosen conversation, then its rejected one: two samples
+            convs = [c for pair in payloads for c in (pair["chosen"], pair["rejected"])]
+        seqs, masks = zip(*[encode_sft(tok, c) for c in convs]) if convs else ([], [])
     lengths = np.asarray([len(s) for s in seqs], dtype=np.int64)
     flat = np.concatenate([np.zeros(0, np.int64), *seqs], dtype=np.int64)
-    return flat, lengths, (np.concatenate([np.zeros(0, np.uint8), *masks]) if kind == "sft" else None)
+    mask = np.concatenate([np.zeros(0, np.uint8), *masks]) if masks is not None else None
+    return flat, lengths, mask
 
 
 def encode_texts(tok: Any, texts: list[str]) -> list:
@@ -304,7 +334,8 @@ def tokenizers_parallelism_off() -> contextlib.AbstractContextManager:
 
 def tokenize_reader(reader: JsonlReader, tokenizer, chunk_size: int, num_workers: int) -> Iterator[tuple]:
     """tokenize_samples of the reader's samples, chunk by chunk in file order, here or in `num_workers` processes."""
-    payloads = (record[PAYLOAD[reader.kind]] for record in reader)
+    key = PAYLOAD.get(reader.kind)  # dpo: the whole record
+    payloads = (record if key is None else record[key] for record in reader)
     chunks = iter(lambda: list(itertools.islice(payloads, chunk_size)), [])
     if num_workers == 0:
         yield from (tokenize_samples(reader.kind, c, tokenizer) for c in chunks)
@@ -341,7 +372,8 @@ class MemmapInfo:
     @property
     def files(self) -> list[str]:
         """The files of this memmap."""
-        return [self.prefix + e for e in [".bin", ".idx.npy", ".json"] + ([".mask.bin"] if self.kind == "sft" else [])]
+        masked = self.kind != "pretrain"  # sft, dpo: a trained-token mask beside the ids
+        return [self.prefix + e for e in [".bin", ".idx.npy", ".json"] + [".mask.bin"] * masked]
 
 
 _PROBE_TEXT = "Hello, world! 你好，世界。 The quick brown fox 123 \n\t émoji 🙂"
@@ -378,7 +410,9 @@ def memmap_is_fresh(out_prefix: str | os.PathLike, jsonl_path: str | os.PathLike
     for key, value in _cache_key(jsonl_path, tokenizer, kind, max_samples, on_error).items():
         if meta.get(key) != value:
             return False, f"{key} changed (cache: {meta.get(key)!r:.120}, now: {value!r:.120})"
-    sizes = {".bin": 2 * meta["n_tokens"], ".idx.npy": None, **({".mask.bin": meta["n_tokens"]} if kind == "sft" else {})}
+    sizes = {".bin": 2 * meta["n_tokens"], ".idx.npy": None}
+    if kind != "pretrain":  # sft, dpo: the mask, a byte per token
+        sizes[".mask.bin"] = meta["n_tokens"]
     for ext, size in sizes.items():
         p = Path(f"{out_prefix}{ext}")
         if not p.is_file() or (size is not None and p.stat().st_size != size):
@@ -390,7 +424,8 @@ def default_num_workers(n_bytes: int, kind: str = "pretrain", cores: int | None 
     """Tokenizer processes (notebook 02): none for pretraining text (the Rust encoder already uses the cores); for SFT
     (Python template and mask) one per core, at most 8, from 2 cores and 256 KiB, where processes fork (as measured)."""
     n = cores or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
-    return min(n, 8) if kind == "sft" and n >= 2 and n_bytes >= 2**18 and multiprocessing.get_start_method() == "fork" else 0
+    fork = multiprocessing.get_start_method() == "fork"
+    return min(n, 8) if kind != "pretrain" and n >= 2 and n_bytes >= 2**18 and fork else 0
 
 
 def tokenize_to_memmap(jsonl_path: str | os.PathLike, tokenizer, out_prefix: str | os.PathLike,
@@ -416,7 +451,8 @@ def tokenize_to_memmap(jsonl_path: str | os.PathLike, tokenizer, out_prefix: str
         chunks = tokenize_reader(reader, tokenizer, chunk_size, num_workers)
         # atomic_open writes beside the target and renames on success: an error leaves no half-written file
         with bar, contextlib.closing(chunks), atomic_open(prefix + ".bin") as fbin, \
-                (atomic_open(prefix + ".mask.bin") if kind == "sft" else contextlib.nullcontext()) as fmask:
+                (atomic_open(prefix + ".mask.bin") if kind != "pretrain"
+                 else contextlib.nullcontext()) as fmask:
             for ids, lengths, mask in chunks:
                 max_id = max(max_id, int(ids.max(initial=-1)))
                 if max_id > MAX_UINT16_VOCAB:

@@ -20,7 +20,8 @@ from .model import IGNORE_INDEX  # the label of a position whose next token is n
 from .tokenizer import check_vocab
 
 LONG_DOCS = ("truncate", "chunk")  # what a pretrain dataset does with a document longer than seq_len
-LONG_DOCS_BY_KIND = {"pretrain": "chunk", "sft": "truncate"}  # a run's: documents split into rows, conversations cut
+# a run's: documents split into rows, conversations (and pairs) cut
+LONG_DOCS_BY_KIND = {"pretrain": "chunk", "sft": "truncate", "dpo": "truncate"}
 
 
 def make_sample(ids: np.ndarray, mask: np.ndarray | None, seq_len: int) -> dict[str, torch.Tensor]:
@@ -45,6 +46,7 @@ class DataStats:
     n_chunked: int = 0  # documents longer than seq_len split into several rows (long_docs="chunk")
     n_trained_tokens: int | None = None  # SFT: tokens with a label (after truncation)
     n_no_target: int = 0  # SFT: samples whose assistant tokens were all cut off by truncation
+    no_target_examples: list[int] = field(default_factory=list)  # the first 5 of them (indices)
     n_undeclared_tool_calls: int = 0  # SFT: calls to a tool the system turn does not declare (kept, trained)
     n_late_system_turns: int = 0  # SFT: conversations with a later system turn (kept: MiniMind-3's)
     skipped_examples: list[str] = field(default_factory=list)
@@ -110,7 +112,9 @@ class _TokenDataset(Dataset):
             raise FileNotFoundError(f"{path} is neither a jsonl file nor a memmap prefix "
                                     f"(no {path}.json); build a memmap with tokenize_to_memmap")
         reader, self.path = JsonlReader(path, on_error=on_error, kind=self.kind, max_samples=max_samples), path
-        self.records, self.offsets = [record[PAYLOAD[self.kind]] for record in reader], None
+        key = PAYLOAD.get(self.kind)  # dpo: the whole record
+        self.records = [record if key is None else record[key] for record in reader]
+        self.offsets = None
         if not self.lazy:  # small files: tokenized at once, in memory (lazy: in __getitem__, MiniMind's way)
             self._tokens, lengths, self._mask = tokenize_samples(self.kind, self.records, tokenizer)
             self.offsets, self.records = np.concatenate([[0], np.cumsum(lengths)]), None
@@ -132,7 +136,7 @@ class _TokenDataset(Dataset):
             def mapped(ext: str, dtype) -> np.ndarray:  # np.memmap refuses an empty file
                 return np.memmap(self.prefix + ext, dtype=dtype, mode="r") if self.meta["n_tokens"] else np.zeros(0, dtype)
             self._tokens, self._pid = mapped(".bin", np.uint16), os.getpid()
-            self._mask = mapped(".mask.bin", np.uint8) if self.kind == "sft" else None
+            self._mask = mapped(".mask.bin", np.uint8) if self.kind != "pretrain" else None
         a, b = int(self.offsets[index]), int(self.offsets[index + 1])
         return self._tokens[a:b], (self._mask[a:b] if self._mask is not None else None)
 
@@ -178,19 +182,21 @@ class _TokenDataset(Dataset):
         """Counts of documents, samples, skipped lines, truncated or chunked documents and tokens."""
         raw, chunk = self.raw_lengths(), self.long_docs == "chunk"
         over = raw > self.seq_len
-        stats = DataStats(n_samples=len(self), n_documents=len(raw), n_tokens=int(self.lengths.sum()),
+        n_tokens = int(self.lengths.sum()) if chunk else int(np.minimum(raw, self.seq_len).sum())
+        stats = DataStats(n_samples=len(self), n_documents=len(raw), n_tokens=n_tokens,
                           n_truncated=0 if chunk else int(over.sum()), n_chunked=int(over.sum()) if chunk else 0,
                           truncated_tokens=0 if chunk else int((raw[over] - self.seq_len).sum()), **self.read_counts)
-        if self.kind == "sft":
+        if self.kind != "pretrain":
             stats.n_trained_tokens = int(self.trained_counts.sum())
             stats.n_no_target = int((self.trained_counts == 0).sum())
+            stats.no_target_examples = np.flatnonzero(self.trained_counts == 0)[:5].tolist()
         return stats
 
     @functools.cached_property
     def trained_counts(self) -> np.ndarray | None:
         """SFT: each sample's trained tokens after truncation (position 0 is never a target after
         the shift); None for pretraining text, all trained."""
-        if self.kind != "sft":
+        if self.kind == "pretrain":
             return None
         masks = (self.raw(i)[1][1:self.seq_len] for i in range(self.n_documents()))
         return np.fromiter((np.count_nonzero(m) for m in masks), np.int64, self.n_documents())
@@ -205,6 +211,38 @@ class PretrainDataset(_TokenDataset):
 class SFTDataset(_TokenDataset):
     """MiniMind SFT samples: the chat template's ids; labels = ids on assistant replies + <|im_end|>\\n, else -100."""
     kind = "sft"
+
+
+class PairDataset(_TokenDataset):
+    """MiniMind's preference pairs (notebook 10_lora_dpo): sample i is pair i, its chosen
+    conversation as an SFT sample with the rejected one's beside it (rejected_ids, rejected_labels);
+    a pair's length is its longer side's."""
+    kind = "dpo"
+
+    def __len__(self) -> int:
+        return self.n_documents() // 2
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        if not 0 <= index < len(self):
+            raise IndexError(f"index {index} out of range for {len(self)} pairs")
+        chosen = make_sample(*self.raw(2 * index), self.seq_len)
+        rejected = make_sample(*self.raw(2 * index + 1), self.seq_len)
+        return dict(chosen, rejected_ids=rejected["input_ids"], rejected_labels=rejected["labels"])
+
+    def check_replies(self, where: Any) -> None:
+        """ValueError naming the first pair with a reply cut away entirely at seq_len."""
+        cut = self.stats.no_target_examples
+        if cut:
+            side = ("chosen", "rejected")[cut[0] % 2]
+            raise ValueError(f"{where}: pair {cut[0] // 2 + 1} (counting from 1): its {side} reply "
+                             f"lies beyond seq_len={self.seq_len}, so none of it would be scored "
+                             f"({self.stats.n_no_target} such replies in all): raise --seq-len or "
+                             f"remove those pairs")
+
+    @functools.cached_property
+    def lengths(self) -> np.ndarray:
+        """Each pair's longer side, cut to seq_len (what token-budget batching counts)."""
+        return np.minimum(self.raw_lengths().reshape(-1, 2).max(1), self.seq_len)
 
 
 class MemmapDataset(_TokenDataset):
@@ -235,6 +273,14 @@ def pad_collate(samples: Sequence[dict], pad_id: int = 0, seq_len: int | None = 
     return {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}
 
 
+def pair_collate(samples: Sequence[dict], pad_id: int = 0,
+                 multiple: int = 1) -> dict[str, torch.Tensor]:
+    """A batch of preference pairs (PairDataset's): the chosen rows, then the rejected rows
+    (MiniMind's layout)."""
+    rejected = [{"input_ids": s["rejected_ids"], "labels": s["rejected_labels"]} for s in samples]
+    return pad_collate([*samples, *rejected], pad_id=pad_id, multiple=multiple)
+
+
 def round_up(length: int, multiple: int, limit: int | None = None) -> int:
     """`length` rounded up to a multiple of `multiple`, at most `limit` (when given, and not below
     length)."""
@@ -262,7 +308,7 @@ def memmap_dataset(path: Path, tok: Any, kind: str, seq_len: int, cache_dir: Pat
     prefix = Path(cache_dir) / f"{Path(path).stem}.{kind}.{digest}"  # a hash of the path: two data.jsonl never collide
     info = tokenize_to_memmap(path, tok, prefix, kind=kind, max_samples=max_samples,
                               progress=progress, on_error=on_error)
-    cls = PretrainDataset if kind == "pretrain" else SFTDataset
+    cls = {"pretrain": PretrainDataset, "sft": SFTDataset, "dpo": PairDataset}[kind]
     ds = cls(str(prefix), tok, seq_len, vocab_size=tok.vocab_size, long_docs=LONG_DOCS_BY_KIND[kind])
     if len(ds) == 0 or ds.stats.n_trained_tokens == 0:
         raise ValueError(f"{path}: no {'samples' if len(ds) == 0 else 'trained (assistant) tokens within seq_len'} to "

@@ -40,7 +40,7 @@ NUMBERS = ("step", "loss", "tokens", "val_loss", "grad_norm")  # the metrics.csv
 # ----------------------------------------------------------------------------------- 1. health: band and doctor
 def comparable(cfg: dict) -> dict:
     """What a run's validation loss measures besides training: model, tokenizer, validation data and batches."""
-    held_out = cfg["stage"] == "sft" and not cfg.get("val_data")  # SFT's 5% of the training file
+    held_out = cfg["stage"] != "pretrain" and not cfg.get("val_data")  # 5% of the training file
     path = cfg.get("data" if held_out else "val_data")  # notebooks 07/08 record the file, the CLI its fingerprint too
     return {"stage": cfg["stage"], "model": cfg["model"], "tokenizer": cfg["tokenizer"]["fingerprint"],
             "seq_len": cfg.get("seq_len"), "max_tokens": cfg.get("max_tokens"), "val_batches": cfg.get("val_batches"),
@@ -158,20 +158,23 @@ def judge(df: pd.DataFrame, cfg: dict) -> dict:
     band, ref = load_band(cfg)
     if (val := validation_points(df)).empty:
         raise RunError("the run logged no validation loss, so there is nothing to compare (pass --val-data)")
-    findings, tokens, mb = doctor(df, cfg, ref), np.asarray(ref["tokens"]), band["made_by"]
+    findings, tokens = doctor(df, cfg, ref), np.asarray(ref["tokens"])
+    # a stage added to the file later (make_reference.py --add) records its own seeds and machine
+    mb, seeds = ref.get("made_by", band["made_by"]), ref.get("seeds", band["seeds"])
     val = val[val["tokens_seen"] <= 1.1 * tokens[-1]]  # 10% past the band's end at most: no extrapolation
     val = val.assign(**{k: np.interp(val["tokens_seen"], tokens, ref[k]) for k in ("lower", "upper")},
                      median=np.interp(val["tokens_seen"], tokens, ref["quantiles"]["0.5"]))
     side = (val["val_loss"] > val["upper"]).to_numpy(int) - (val["val_loss"] < val["lower"]).to_numpy(int)
     start = len(side) - next((i for i, s in enumerate(side[::-1]) if s != side[-1]), len(side))  # of the last run
     last = val.iloc[-1]
-    covers = (f"the {band['profile']} band for {cfg['stage']} ({band['n_seeds']} seeds of the profile's run on "
-              f"{mb['device']}, {mb['cpu']}, {mb['threads']} threads, {ref['dtype']}, torch {mb['torch']}, "
-              f"{mb['date']})")
-    at = (f"validation loss {last['val_loss']:.3f} at {int(last['tokens_seen']):,} tokens, the band allows "
+    covers = (f"the {band['profile']} band for {cfg['stage']} ({len(seeds)} seeds of the profile's "
+              f"run on {mb['device']}, {mb['cpu']}, {mb['threads']} threads, {ref['dtype']}, torch "
+              f"{mb['torch']}, {mb['date']})")
+    unit = "pairs" if cfg["stage"] == "dpo" else "tokens"  # a DPO run counts pairs (notebook 10)
+    at = (f"validation loss {last['val_loss']:.3f} at {int(last['tokens_seen']):,} {unit}, the band allows "
           f"{last['lower']:.3f} to {last['upper']:.3f} (seeds' median {last['median']:.3f})")
     verdict = "diverged" if any(f["diverged"] for f in findings) else {0: "inside", 1: "above", -1: "below"}[side[-1]]
-    since = f" from {int(val['tokens_seen'].iloc[start]):,} tokens on" if verdict in ("above", "below") else ""
+    since = f" from {int(val['tokens_seen'].iloc[start]):,} {unit} on" if verdict in ("above", "below") else ""
     summary = ("diverged: " + "; ".join(f"{f['cause']} ({f['evidence']})" for f in findings if f["diverged"])
                if verdict == "diverged" else f"{verdict} {covers}{since}: {at}"
                + ("; better than every reference seed (more steps or another lr?)" if verdict == "below" else ""))
@@ -179,7 +182,8 @@ def judge(df: pd.DataFrame, cfg: dict) -> dict:
              if cfg["train"].get(k) != v]  # what the run changed (the band's device and dtype: in the summary)
     return {"verdict": verdict, "exit_code": int(verdict in ("above", "diverged")), "summary": summary,
             "findings": findings, "notes": notes, "points": val.round(4).to_dict("records"),
-            "band": {"profile": band["profile"], "stage": cfg["stage"], "seeds": band["seeds"], "made_by": mb,
+            "band": {"profile": band["profile"], "stage": cfg["stage"], "seeds": seeds,
+                     "made_by": mb,
                      "dtype": ref["dtype"], "method": band["method"]}}
 
 

@@ -17,8 +17,10 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from .checkpoint import (MODEL_FILE, RUN_FILES, RUN_FORMAT, RUN_VERSION, TOKENIZER_DIR, RunError, check_other_files,
-                         check_out_dir, check_state_dict, check_target, load_run, save_checkpoint, start_run_dir)
+from .checkpoint import (LORA_FILE, MODEL_FILE, RUN_FILES, RUN_FORMAT, RUN_VERSION, TOKENIZER_DIR,
+                         RunError, check_other_files, check_out_dir, check_state_dict,
+                         check_target, load_run, load_weights_only, read_run_config,
+                         save_checkpoint, start_run_dir)
 from .checks import require
 from .corpus import check_choice, tokenizer_fingerprint
 from .fileio import ADVICE, PREFIX, TMP_PREFIX, atomic_write_text, check_utf8_path, exclusive_dir
@@ -30,6 +32,7 @@ ARCHS = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 WEIGHTS_FILE, MANIFEST = "model.safetensors", PREFIX + "export.json"  # MANIFEST: the names of the files written
 EXPORT_FILES = ("config.json", WEIGHTS_FILE, TOKENIZER_FILE, TOKENIZER_CONFIG_FILE)
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")  # PEFT's names
 SHAPE = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
          "max_position_embeddings", "rms_norm_eps")  # the same name and meaning in both configs
 MOE = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "router_aux_loss_coef")
@@ -61,6 +64,34 @@ def hf_config(mcfg: MiniMindConfig, tok, dtype: str = "fp32") -> dict:
     return {**config.to_diff_dict(), **v4, **({"num_experts": mcfg.num_experts} if mcfg.use_moe else {})}  # 4.x's name
 
 
+def model_files(run_dir: str | Path, dtype: str) -> tuple[dict, dict, Any, tuple]:
+    """(config.json, tensors, tokenizer, file names) of a finished run's transformers export."""
+    model, tok, _ = load_run(run_dir)  # errors: not a run directory, no model.pth (unfinished), ...
+    tensors = {k: v.to(DTYPES[dtype]).contiguous() for k, v in model.state_dict().items()
+               if k != "lm_head.weight"}  # the tied lm_head: transformers re-ties it
+    return hf_config(model.config, tok, dtype), tensors, tok, EXPORT_FILES
+
+
+def peft_adapter(run_dir: str | Path) -> tuple[dict, dict, None, tuple]:
+    """(adapter_config.json, tensors, no tokenizer, file names): a LoRA run's lora.pth as PEFT's
+    LoRA adapter (notebook 10_lora_dpo) for the export of the run it started from; lora_alpha = r,
+    as the file's B carries the scale."""
+    cfg, path = read_run_config(run_dir), Path(run_dir) / LORA_FILE
+    require(bool(cfg.get("lora")) and path.is_file(), f"{run_dir} holds no LoRA adapters "
+            f"({LORA_FILE}, written by `lora` or `dpo --lora-rank`)", RunError)
+    state = load_weights_only(path, "LoRA file")
+    tensors = {}
+    for key, value in state.items():  # PEFT's names: lora_A, lora_B, under base_model.model.
+        key = key.replace(".lora.A.", ".lora_A.").replace(".lora.B.", ".lora_B.")
+        tensors["base_model.model." + key] = value.float().contiguous()
+    rank, targets = cfg["lora"]["rank"], sorted({k.split(".")[-4] for k in state})  # q_proj, o_proj
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": rank,
+              "target_modules": targets, "lora_dropout": 0.0, "bias": "none",
+              "fan_in_fan_out": False, "inference_mode": True,
+              "base_model_name_or_path": cfg["init"]}
+    return config, tensors, None, ADAPTER_FILES
+
+
 def save_weights(tensors: dict, path: Path, target: Path) -> None:
     """save_file to `path`, the temp copy of `target`; a failed write (a full disk): one line naming
     `target`."""
@@ -74,14 +105,16 @@ def save_weights(tensors: dict, path: Path, target: Path) -> None:
 
 
 def export_run(run_dir: str | Path, out_dir: str | Path, dtype: str = "fp32", overwrite: bool = False,
-               allow_other_files: bool = False) -> Path:
+               allow_other_files: bool = False, adapter: bool = False) -> Path:
     """Write a finished run as a transformers directory (config.json, model.safetensors, tokenizer); returns it.
-    overwrite: replace an earlier export's files; allow_other_files: write beside files it did not write (kept)."""
+    overwrite: replace an earlier export's files; allow_other_files: write beside files it did not
+    write (kept); adapter: a LoRA run's adapters alone, as a PEFT adapter (ADAPTER_FILES, fp32)."""
     check_choice("dtype", dtype, sorted(DTYPES))
     out = check_target(out_dir, "--to")
-    model, tok, _ = load_run(run_dir)  # clear errors: not a run directory, no model.pth (unfinished), bad weights
-    config = hf_config(model.config, tok, dtype)
-    tensors = {k: v.to(DTYPES[dtype]).contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    if adapter:
+        config, tensors, tok, names = peft_adapter(run_dir)
+    else:
+        config, tensors, tok, names = model_files(run_dir, dtype)
     with exclusive_dir(out):  # refuses a file or a dangling link; a folder it creates and leaves empty goes again
         try:  # MANIFEST: the files an earlier export wrote there, the only ones --overwrite replaces
             earlier = set(json.loads((out / MANIFEST).read_text(encoding="utf-8"))) if (out / MANIFEST).exists() else set()
@@ -89,17 +122,17 @@ def export_run(run_dir: str | Path, out_dir: str | Path, dtype: str = "fp32", ov
             raise RunError(f"{out / MANIFEST}: unreadable ({e}): which files export wrote there is unknown") from None
         if earlier and not overwrite:
             raise RunError(f"{out} holds an earlier export: pass --overwrite to replace its files, or another --to")
-        check_other_files(out, earlier, allow_other_files, replaced=EXPORT_FILES)
+        check_other_files(out, earlier, allow_other_files, replaced=names)
         tmp = out / f"{TMP_PREFIX}export"  # the new files, whole before any old one goes (a killed export's: ours)
         shutil.rmtree(tmp, ignore_errors=True)
         try:
-            atomic_write_text(tmp / "config.json", json.dumps(config, indent=2, sort_keys=True) + "\n")
-            # the tied lm_head is left out: transformers ties it again
-            save_weights(tensors, tmp / WEIGHTS_FILE, out / WEIGHTS_FILE)
-            tok.save(tmp)
+            atomic_write_text(tmp / names[0], json.dumps(config, indent=2, sort_keys=True) + "\n")
+            save_weights(tensors, tmp / names[1], out / names[1])
+            if tok is not None:
+                tok.save(tmp)
             # listed before any move: a kill while moving leaves no file of ours unlisted
-            atomic_write_text(out / MANIFEST, json.dumps(sorted(earlier | set(EXPORT_FILES))) + "\n")
-            for name in EXPORT_FILES:
+            atomic_write_text(out / MANIFEST, json.dumps(sorted(earlier | set(names))) + "\n")
+            for name in names:
                 os.replace(tmp / name, out / name)  # one by one, each old or new: the folder is never emptier
         finally:
             shutil.rmtree(tmp, ignore_errors=True)

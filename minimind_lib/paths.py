@@ -24,7 +24,8 @@ REPO_DIR = course_dir()
 DATA_DIR = Path(os.environ.get("MINIMIND_DATA_DIR", REPO_DIR / "data")).resolve()
 # The default data file of each stage in DATA_DIR: the bundled name first, then MiniMind2's and MiniMind-3's.
 DATA_FILE_PATTERNS = {"pretrain": ("pretrain.jsonl", "pretrain_hq.jsonl", "pretrain_t2t*.jsonl"),
-                      "sft": ("sft.jsonl", "sft_mini_512.jsonl", "sft_t2t*.jsonl")}
+                      "sft": ("sft.jsonl", "sft_mini_512.jsonl", "sft_t2t*.jsonl"),
+                      "dpo": ("dpo.jsonl",)}
 
 
 def find_data_file(stage: str) -> Path:

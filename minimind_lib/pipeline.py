@@ -8,6 +8,9 @@ samples), 4. the loop (`train.fit`, with a `Recorder` callback), 5. the run dire
 Under `torchrun --nproc_per_node=N -m minimind_lib pretrain|sft ...` the same run trains with DDP (notebook 09): rank
 0 fills the cache first and alone writes OUT; no controller (every rank would have to agree on each change of size).
 Every input is validated before OUT is written.
+
+Steps 1-3 live in rundata.py. Notebook 10_lora_dpo's runs take the same steps: `lora` (SFT through
+LoRA adapters, saved apart as lora.pth) and `dpo` (preference pairs against a frozen reference).
 """
 
 from __future__ import annotations
@@ -20,35 +23,35 @@ import os
 import secrets
 import time
 from dataclasses import dataclass, field, fields, replace
-from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-import numpy as np
 import pandas as pd
 import torch
 
 from . import distributed as D
-from .batching import AdaptiveBatchController, TokenBudgetBatchSampler, TokenBudgetSteps
-from .checkpoint import (METRICS_FILE, MODEL_FILE, RUN_FORMAT, RUN_VERSION, SAMPLES_FILE, STATE_FILE, SUMMARY_FILE,
-                         RunError, check_out_dir, check_resume, check_target, load_run,
-                         read_run_config, save_checkpoint, start_run_dir, stop_on_signals)
+from .checkpoint import (LORA_FILE, METRICS_FILE, MODEL_FILE, RUN_FORMAT, RUN_VERSION, SAMPLES_FILE,
+                         STATE_FILE, SUMMARY_FILE, RunError, check_out_dir, check_resume,
+                         check_target, load_run, read_run_config, save_checkpoint, start_run_dir,
+                         stop_on_signals)
 from .checks import require
-from .corpus import JsonlReader, check_choice, tokenizer_fingerprint
-from .data import LONG_DOCS_BY_KIND, holdout_split, memmap_dataset, pad_collate, trained_tokens
-from .device import get_device, total_memory_bytes
+from .corpus import tokenizer_fingerprint
+from .data import LONG_DOCS_BY_KIND, holdout_split, memmap_dataset  # noqa: F401 (notebook 08's)
+from .device import get_device
+from .dpo import DPO
 from .fileio import atomic_write_text, exclusive_dir, file_fingerprint
 from .generate import chat_reply, generate
 from .loggers import check_loggers, flatten, open_loggers, send
-from .memory import MemoryMeter
+from .lora import apply_lora, lora_layers, lora_state, merge_lora
 from .model import MiniMindConfig, MiniMindForCausalLM
 from .paths import DATA_DIR, REPO_DIR, find_data_file
 from .profiles import Profile, get_profile
+from .rundata import (CHECK_EVERY, COLLATE, KIND, datasets, make_controller,  # noqa: F401
+                      train_steps, validation_batches)  # validation_batches: notebooks 07, 08
 from .tokenizer import check_vocab, load_tokenizer
 from .train import TrainConfig, evaluate, fit, resolve_amp
 
 DEFAULT_SAMPLE_PROMPTS = ("ROMEO.\n", "床前明月光，")  # one per language of the bundled corpus
-CHECK_EVERY = 10  # optimizer steps between the controller's memory checks (CUDA, MPS)
 
 
 @dataclass
@@ -61,7 +64,7 @@ class RunSettings:
     profile: Any = None  # a Profile or its name (default: the selected one)
     config: str | None = None  # model preset (pretrain; SFT takes the init run's model)
     tokenizer_dir: Any = None
-    init: Any = None  # SFT: the pretraining run directory to start from
+    init: Any = None  # sft, lora, dpo: the run to start from (dpo: also its frozen reference)
     seq_len: int | None = None
     max_tokens: int | None = None  # padded tokens per micro-batch
     accum_steps: int | None = None  # micro-batches per optimizer step
@@ -85,6 +88,10 @@ class RunSettings:
     sample_every: int | None = None  # 0: no samples
     sample_prompts: Sequence[str] | None = None
     seed: int = 1337
+    lora_rank: int | None = None  # lora: the adapters' rank (default 8); dpo: None trains all
+    lora_alpha: float | None = None  # their scale: alpha / rank (default alpha = rank, MiniMind's)
+    merge: bool = False  # lora: also write model.pth, the adapters folded in (dpo always does)
+    beta: float = 0.1  # dpo: the loss's beta (MiniMind's dpo_loss default)
     progress: bool = True
     log: Callable[[str], None] = print
     loggers: Sequence[str] = ()  # "tensorboard", "wandb": where the metrics also go (loggers.py)
@@ -112,9 +119,8 @@ def run_dir_for(profile_name: str, stage: str) -> Path:
 
 def plan_run(profile: Any = None, stage: str = "pretrain") -> dict:
     """Sizes of a stage's run as the profile gives them (steps, accum_steps, max_tokens, eval_every), and why."""
-    check_choice("stage", stage, ("pretrain", "sft"))
     prof = profile if isinstance(profile, Profile) else get_profile(profile)
-    plan = {"steps": prof.pretrain_steps if stage == "pretrain" else prof.sft_steps, "accum_steps": prof.accum_steps,
+    plan = {"steps": prof.stage(stage)[0], "accum_steps": prof.accum_steps,
             "max_tokens": prof.max_tokens, "eval_every": prof.eval_every}
     reason = (f"profile {prof.name}: {plan['steps']} steps x {plan['accum_steps']} micro-batches x "
               f"{plan['max_tokens']} tokens = {plan['steps'] * plan['accum_steps'] * plan['max_tokens']:,} padded "
@@ -132,27 +138,31 @@ def resolve_settings(s: RunSettings, prof: Profile) -> RunSettings:
     a negative size is refused, not read as "the default")."""
     pre, given = s.stage == "pretrain", lambda value, default: default if value is None else value
     seq_len, eval_every = given(s.seq_len, prof.seq_len), given(s.eval_every, prof.eval_every)
-    steps = given(s.steps, prof.pretrain_steps if pre else prof.sft_steps)
+    steps, lr = prof.stage(s.stage)
     default_val = DATA_DIR / "pretrain_val.jsonl"  # pretraining's held-out text, where the data folder has it
     val_data = default_val if pre and s.val_data is None and default_val.is_file() else s.val_data
     r = replace(
-        s, seq_len=seq_len, max_tokens=given(s.max_tokens, max(prof.max_tokens, seq_len)), steps=steps,
+        s, seq_len=seq_len, max_tokens=given(s.max_tokens, max(prof.max_tokens, seq_len)),
+        steps=given(s.steps, steps),
         accum_steps=given(s.accum_steps, prof.accum_steps), eval_every=eval_every, val_data=val_data,
-        lr=given(s.lr, prof.lr if pre else prof.lr / 2),  # SFT: gentler, it starts from a trained model
-        ckpt_every=given(s.ckpt_every, eval_every),
+        lr=given(s.lr, lr), ckpt_every=given(s.ckpt_every, eval_every),
         max_samples=prof.max_samples if s.max_samples is None else (s.max_samples or None),
-        data=Path(s.data) if s.data is not None else find_data_file(s.stage),
-        sample_every=given(s.sample_every, max(eval_every, -(-steps // 4))),
+        data=Path(s.data) if s.data is not None else find_data_file(KIND[s.stage]),
+        sample_every=given(s.sample_every, max(eval_every, -(-given(s.steps, steps) // 4))),
+        lora_rank=8 if s.stage == "lora" and s.lora_rank is None else s.lora_rank,
         sample_prompts=tuple(given(s.sample_prompts, DEFAULT_SAMPLE_PROMPTS)),
         compile=given(s.compile, prof.compile), loss_chunk=given(s.loss_chunk, prof.loss_chunk))
     for name, low in (("seq_len", 1), ("max_tokens", 1), ("accum_steps", 1), ("steps", 1), ("eval_every", 1),
                       ("ckpt_every", 1), ("val_batches", 1), ("max_samples", 0), ("stop_after", 1),
-                      ("sample_every", 0), ("loss_chunk", 0)):
+                      ("sample_every", 0), ("lora_rank", 1), ("loss_chunk", 0)):
         value = getattr(s if name == "max_samples" else r, name)  # r.max_samples: None means "all"
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
             raise RunError(f"{name}={value!r}: must be an integer >= {low}")
-    if not (isinstance(r.lr, (int, float)) and math.isfinite(r.lr) and r.lr > 0):
-        raise RunError(f"lr={r.lr!r}: the learning rate must be a finite number > 0")
+    for name in ("lr", "beta", "lora_alpha"):
+        value = getattr(r, name)
+        finite = isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+        require(finite or (name == "lora_alpha" and value is None),
+                f"{name}={value!r}: must be a finite number > 0", RunError)
     if r.max_tokens < r.seq_len:
         raise RunError(f"max_tokens={r.max_tokens} is smaller than seq_len={r.seq_len}: a full-length sample would "
                        f"not fit one micro-batch; raise --max-tokens or lower the sequence length")
@@ -177,9 +187,10 @@ def _inputs(s: RunSettings, prof: Profile, device: torch.device) -> tuple[Any, M
         if path is not None and not Path(path).is_file():
             raise FileNotFoundError(f"{what} file not found: {path}"
                                     + (" (a directory, not a jsonl file)" if Path(path).is_dir() else ""))
-    if s.stage == "sft":
-        if s.init is None:
-            raise RunError("sft needs --init DIR, the pretraining run directory to start from")
+    if s.stage != "pretrain":
+        flag = "--init" if s.stage == "sft" else "--from"
+        require(s.init is not None, f"{s.stage} needs {flag} DIR, the run directory to start from",
+                RunError)
         init_model, tok, init_cfg = load_run(s.init)  # refuses NaN/inf or integer weights
         mcfg, preset, init_state = init_model.config, init_cfg.get("model_preset"), init_model.state_dict()
     else:
@@ -194,7 +205,9 @@ def _inputs(s: RunSettings, prof: Profile, device: torch.device) -> tuple[Any, M
 
 def _run_config(s: RunSettings, prof: Profile, preset: str | None, mcfg: MiniMindConfig, tok: Any,
                 device: torch.device, dinfo: Any, amp: Any) -> dict:
-    """What config.json says the run is (amp: resolve_amp's choice)."""
+    """What config.json says the run is (amp: resolve_amp's choice; lora targets None: MiniMind's
+    layers)."""
+    lora = {"rank": s.lora_rank, "alpha": s.lora_alpha or s.lora_rank, "targets": None}
     return {"format": RUN_FORMAT, "version": RUN_VERSION, "stage": s.stage, "profile": prof.name,
             "model_preset": preset, "model": mcfg.to_dict(), "train": train_config(s).to_dict(),
             "tokenizer": {"fingerprint": tokenizer_fingerprint(tok), "vocab_size": int(tok.vocab_size)},
@@ -202,90 +215,14 @@ def _run_config(s: RunSettings, prof: Profile, preset: str | None, mcfg: MiniMin
             "data_fingerprint": file_fingerprint(s.data), "on_error": s.on_error,
             "val_data_fingerprint": file_fingerprint(s.val_data) if s.val_data else None,
             "seq_len": s.seq_len, "max_tokens": s.max_tokens, "val_batches": int(s.val_batches),
-            "max_samples": s.max_samples, "batching": "token_budget", "long_docs": LONG_DOCS_BY_KIND[s.stage],
+            "max_samples": s.max_samples, "batching": "token_budget",
+            "long_docs": LONG_DOCS_BY_KIND[KIND[s.stage]],
             "init": str(Path(s.init).resolve()) if s.init else None, "device": str(device),
+            "lora": lora if s.lora_rank else None,
+            "dpo": {"beta": s.beta} if s.stage == "dpo" else None,
             "amp": {"mode": s.amp, "resolved": amp.name, "reason": amp.reason}, "torch": torch.__version__,
             "compile": {"trunk": s.compile, "row_multiple": prof.row_multiple if s.compile else 1},
             **({"world_size": dinfo.world_size} if dinfo is not None else {})}
-
-
-# ----------------------------------------------------------------------------------- 1. data  2. steps  3. controller
-def validation_batches(ds: Any, max_tokens: int, seq_len: int, pad_id: int, n_batches: int) -> list[dict]:
-    """The first n_batches token-budget batches of a validation set, unshuffled (the same at every evaluation)."""
-    sampler = TokenBudgetBatchSampler(ds.lengths, max_tokens, shuffle=False, seq_len=seq_len)
-    return [pad_collate([ds[i] for i in b], pad_id=pad_id) for b in sampler.batches()[:n_batches]]
-
-
-def train_steps(ds: Any, s: RunSettings, dinfo: Any = None):
-    """The optimizer steps: the token-budget sampler's next accum_steps micro-batches each (dealt to ranks under DDP)."""
-    if dinfo is not None:
-        return D.distributed_step_source(ds, s.max_tokens, s.accum_steps, seq_len=s.seq_len, seed=s.seed, info=dinfo)
-    sampler = TokenBudgetBatchSampler(ds.lengths, s.max_tokens, seed=s.seed, seq_len=s.seq_len)
-    return TokenBudgetSteps(ds, sampler, s.accum_steps)
-
-
-def make_controller(device: torch.device, max_tokens: int, seq_len: int, pad_id: int,
-                    row_multiple: int = 1) -> AdaptiveBatchController:
-    """Notebook 06's controller: on CUDA and MPS its memory checks read MemoryMeter.peak_in_use
-    (what an OOM depends on) against the device's memory, elsewhere OOM recovery only (a CPU's RAM
-    has no limit a process sees coming); rows padded to a multiple of row_multiple (a compiled
-    model's few shapes)."""
-    meter = MemoryMeter(device) if device.type in ("cuda", "mps") else None
-    if meter is not None:
-        meter.budget_bytes = total_memory_bytes(device)  # the checks' threshold only; the allocator keeps its limit
-    return AdaptiveBatchController(max_tokens=max_tokens, seq_len=seq_len, meter=meter, check_every=CHECK_EVERY,
-                                   collate_fn=partial(pad_collate, pad_id=pad_id,
-                                                      multiple=row_multiple),
-                                   pin_memory=device.type == "cuda", row_multiple=row_multiple)
-
-
-def _datasets(s: RunSettings, tok: Any, dinfo: Any, log: Callable[[str], None]) -> tuple[Any, list | None, int | None]:
-    """1. (training set, validation batches, SFT's held-out count); under DDP rank 0 fills the cache first."""
-    main = dinfo is None or dinfo.is_main
-    cache = Path(s.cache_dir) if s.cache_dir is not None else Path(s.out).parent / "cache"
-    if file := next((p for p in (cache, *cache.parents) if p.exists() and not p.is_dir()), None):
-        raise RunError(f"cache directory {cache}: {file} is a file, not a directory (pass --cache DIR)")
-    if not main:  # data parallel: rank 0 tokenizes into the cache, the other ranks then open it
-        D.barrier()
-    progress = s.progress and main
-    ds, info = memmap_dataset(s.data, tok, s.stage, s.seq_len, cache, s.max_samples, progress, s.on_error)
-    log(f"{s.stage}: {s.data.name}: {ds.stats.summary()} "
-        f"({'cache reused' if info.reused else f'tokenized in {info.seconds:.1f} s'})"
-        + (f"; skipped {info.n_skipped} bad line(s), e.g. {info.skipped_examples[:3]}" if info.n_skipped else ""))
-    val_ds, n_held_out = None, None
-    if s.val_data is not None:
-        val_ds, _ = memmap_dataset(Path(s.val_data), tok, s.stage, s.seq_len, cache, None, progress, s.on_error)
-    elif s.stage == "sft":  # no SFT validation file: hold out 5% of the conversations that train
-        check_holdout(ds, s)
-        ds, val_ds = holdout_split(ds, s.seed)
-        n_held_out = len(val_ds)
-    val = (validation_batches(val_ds, s.max_tokens, s.seq_len, tok.pad_token_id, s.val_batches)
-           if val_ds is not None else None)
-    require(val is None or any(trained_tokens(b["labels"]) for b in val),
-            f"{s.val_data or s.data}: its first {s.val_batches} validation batch(es) hold no "
-            f"trained token within seq_len={s.seq_len} (their answers start later): raise "
-            f"--seq-len or --val-batches", RunError)
-    if dinfo is not None and main:
-        D.barrier()  # the caches are complete: the other ranks may open them
-    return ds, val, n_held_out
-
-
-def check_holdout(ds: Any, s: RunSettings) -> None:
-    """Refuse, before anything is written, an SFT file with too few conversations that train a
-    token within seq_len to hold 5% of them out and still train: name the rows, why, what to do."""
-    trains, n_held = ds.trained_counts > 0, max(1, len(ds) // 20)
-    if int(trains.sum()) > n_held:
-        return
-    idle = np.flatnonzero(~trains)
-    reader = JsonlReader(s.data, on_error=s.on_error, kind="sft", max_samples=s.max_samples)
-    lines = [reader.n_lines for _ in reader]  # record i's line in the file
-    start = int(np.flatnonzero(ds.raw(int(idle[0]))[1])[0])  # its first answer's token, uncut
-    shown = ", ".join(str(lines[i]) for i in idle[:5]) + " ..." * (len(idle) > 5)
-    raise RunError(f"{s.data}: only {int(trains.sum())} of {len(ds)} conversations train a token "
-                   f"within seq_len={s.seq_len}; SFT holds out {n_held} that do for its validation "
-                   f"loss and needs more to train on. The others (lines {shown}) answer past it "
-                   f"(line {lines[idle[0]]}: from token {start}): raise --seq-len (to {start + 1} "
-                   f"or more), or pass --val-data FILE with conversations to hold out")
 
 
 # ----------------------------------------------------------------------------------- 4. the loop  5. the run directory
@@ -330,7 +267,7 @@ class Recorder:
                 and not (self.samples and self.samples[-1]["step"] == done)):
             for p in s.sample_prompts:
                 text = (chat_reply(self.model, self.tok, [{"role": "user", "content": p}], temperature=0.0,
-                                   max_new_tokens=24) if s.stage == "sft"
+                                   max_new_tokens=24) if s.stage != "pretrain"
                         else generate(self.model, self.tok, p, max_new_tokens=24, temperature=0.0))
                 self.samples.append({"step": done, "prompt": p, "text": text})
 
@@ -354,9 +291,11 @@ def applied(df: pd.DataFrame) -> pd.Series:
     return flag("applied") & ~flag("rolled_back")
 
 
-def eval_before_training(model: Any, val: list, device: torch.device, amp_dtype: Any) -> pd.DataFrame:
-    """The validation loss of the untrained model (about ln 6400 for a fresh one) as the metrics row of step -1."""
-    ev = evaluate(model.to(device), val, device=device, amp_dtype=amp_dtype)
+def eval_before_training(model: Any, val: list, device: torch.device, amp_dtype: Any,
+                         objective: Any = None) -> pd.DataFrame:
+    """The validation loss of the untrained model (about ln 6400 for a fresh one; DPO: ln 2, the
+    model is its reference) as the metrics row of step -1."""
+    ev = evaluate(model.to(device), val, device=device, amp_dtype=amp_dtype, objective=objective)
     return pd.DataFrame([{"step": -1, "loss": float("nan"), "lr": 0.0, "tokens": 0, "wall_time": 0.0,
                           "val_loss": ev["loss"], "val_ppl": ev["ppl"], "event": "eval_before_training"}])
 
@@ -385,8 +324,9 @@ def _finish(rec: Recorder, df: pd.DataFrame, run_cfg: dict, wall: float, start_s
     """5. model.pth (MiniMind's key names), metrics.csv and summary.json; returns (metrics, summary)."""
     full = rec.frame()
     full.attrs.update(df.attrs)
-    if rec.write:
+    if rec.write and not lora_layers(rec.model):  # a LoRA run without merge: lora.pth alone
         save_checkpoint(rec.model, rec.out / MODEL_FILE)  # a bare state dict
+    if rec.write:
         rec.after_checkpoint()
     prior_tokens = int(rec.prior["tokens"][applied(rec.prior)].sum()) if len(rec.prior) else 0
     summary = {"stage": rec.s.stage, "profile": run_cfg["profile"], "device": run_cfg["device"],
@@ -409,6 +349,24 @@ def _finish(rec: Recorder, df: pd.DataFrame, run_cfg: dict, wall: float, start_s
     return full, summary
 
 
+def _model(s: RunSettings, mcfg: MiniMindConfig, init_state: dict | None,
+           device: torch.device) -> tuple[Any, Any]:
+    """(the model to train, from init's weights, with LoRA adapters when lora_rank; its objective: a
+    dpo run's DPO against a frozen copy of init, else None, the next-token loss)."""
+    torch.manual_seed(s.seed)  # the same seed, the same initial weights (and LoRA's A)
+    model, reference = MiniMindForCausalLM(mcfg), None
+    if init_state is not None:
+        model.load_state_dict(init_state)
+    if s.stage == "dpo":
+        reference = MiniMindForCausalLM(mcfg).to(device)
+        reference.load_state_dict(init_state)
+    if s.lora_rank:
+        apply_lora(model, s.lora_rank, s.lora_alpha)
+    if s.compile:  # the trunk (norms, RoPE, SwiGLU fused); the chunked loss stays eager
+        model.model.compile()
+    return model, DPO(reference, s.beta) if reference is not None else None
+
+
 def _run(s: RunSettings, dinfo: Any = None) -> RunResult:
     """One run, the steps of notebook 07 in order; under torchrun (dinfo) one rank of it, rank 0 writing OUT (and
     holding its lock: a second run into the same OUT is refused while this one lives)."""
@@ -429,7 +387,7 @@ def _run(s: RunSettings, dinfo: Any = None) -> RunResult:
         run_cfg["run_id"] = secrets.token_hex(4)  # the loggers' run (wandb's id), across resumes
         if saved_state is not None:
             run_cfg["run_id"] = read_run_config(out).get("run_id", run_cfg["run_id"])
-        ds, val, n_held_out = _datasets(s, tok, dinfo, log)  # 1. data
+        ds, val, n_held_out = datasets(s, tok, dinfo, log)  # 1. data
         steps = train_steps(ds, s, dinfo)  # 2. the optimizer steps
         sampler = steps.base if dinfo is not None else steps.batch_sampler
         run_cfg["data_stats"] = {**ds.stats.to_dict(), "batches_per_epoch": len(sampler)}
@@ -440,13 +398,8 @@ def _run(s: RunSettings, dinfo: Any = None) -> RunResult:
         if dinfo is None:
             multiple = prof.row_multiple if s.compile else 1  # compiled: a few row lengths
             controller = make_controller(device, s.max_tokens, s.seq_len, tok.pad_token_id,
-                                         multiple)
-        torch.manual_seed(s.seed)  # the same seed, the same initial weights
-        model = MiniMindForCausalLM(mcfg)
-        if init_state is not None:
-            model.load_state_dict(init_state)
-        if s.compile:  # the trunk (norms, RoPE, SwiGLU fused); the chunked loss stays eager
-            model.model.compile()
+                                         COLLATE[s.stage], multiple)
+        model, objective = _model(s, mcfg, init_state, device)
         if main:  # a resumed run that never checkpointed starts afresh (same settings, checked above)
             start_run_dir(out, run_cfg, tok, saved_state is not None)
         start_step = int(saved_state["step"]) if saved_state is not None else 0
@@ -460,7 +413,7 @@ def _run(s: RunSettings, dinfo: Any = None) -> RunResult:
                 "checkpoint yet: starting it again from step 0 with its recorded settings") if s.resume else ""))
         t0 = time.perf_counter()
         if saved_state is None and val and main:
-            rec.prior = eval_before_training(model, val, device, amp.dtype)
+            rec.prior = eval_before_training(model, val, device, amp.dtype, objective)
             log(f"{s.stage}: validation loss before training {rec.prior['val_loss'].iloc[0]:.3f}")
             send(loggers, rec.prior.to_dict("records"))
         resume_from = out / STATE_FILE if saved_state is not None else None
@@ -470,11 +423,16 @@ def _run(s: RunSettings, dinfo: Any = None) -> RunResult:
         else:
             with stop_on_signals(rec):
                 df = fit(model, steps, cfg, device=device, val_batches=val, controller=controller, callbacks=[rec],
-                         resume_from=resume_from, loggers=loggers)
+                         resume_from=resume_from, loggers=loggers, objective=objective)
         if main and val and rec.rows and math.isnan(rec.rows[-1]["val_loss"]):  # fit validates after applied steps
-            ev = evaluate(model, val, device=device, amp_dtype=amp.dtype)  # only: final_val_loss is the saved model's
+            ev = evaluate(model, val, device=device, amp_dtype=amp.dtype,  # only: final_val_loss
+                          objective=objective)  # is the saved model's
             rec.rows[-1].update(val_loss=ev["loss"], val_ppl=ev["ppl"])
             send(loggers, [{k: rec.rows[-1][k] for k in ("step", "val_loss", "val_ppl")}])
+        if main and lora_layers(model):  # the adapters apart, in MiniMind's keys
+            save_checkpoint(lora_state(model), out / LORA_FILE)
+        if s.merge or s.stage == "dpo":
+            merge_lora(model)
         metrics, summary = _finish(rec, df, run_cfg, time.perf_counter() - t0, start_step, controller, dinfo)
         if rec.interrupted:
             raise RunError(f"stopped by {rec.interrupted} after step {int(metrics['step'].max()) + 1} of {s.steps}: "
@@ -498,6 +456,8 @@ def _run_maybe_distributed(stage: str, kwargs: dict) -> RunResult:
     s = RunSettings(stage=stage, **kwargs)
     if D.env_ranks()[1] <= 1:
         return _run(s)
+    require(stage in ("pretrain", "sft"), f"{stage} runs in one process: start it without torchrun",
+            RunError)
     backend = "gloo" if s.device is not None and torch.device(s.device).type != "cuda" else None
     dinfo = D.setup(backend=backend, device=s.device)
     try:
@@ -525,3 +485,21 @@ def sft(data: str | Path | None = None, out: str | Path | None = None, *, init: 
     """
     kwargs.setdefault("sample_prompts", ())
     return _run_maybe_distributed("sft", dict(kwargs, data=data, out=out, init=init))
+
+
+def lora(data: str | Path | None = None, out: str | Path | None = None, *,
+         init: str | Path | None = None, **kwargs: Any) -> RunResult:
+    """SFT through LoRA adapters (notebook 10): `sft`'s run with `init`'s weights frozen and
+    adapters of rank lora_rank (default 8) beside MiniMind's layers; OUT/lora.pth holds them in
+    MiniMind's keys, OUT/model.pth with merge=True the model with them folded in."""
+    kwargs = {"sample_prompts": (), **kwargs}
+    return _run_maybe_distributed("lora", dict(kwargs, data=data, out=out, init=init))
+
+
+def dpo(data: str | Path | None = None, out: str | Path | None = None, *,
+        init: str | Path | None = None, **kwargs: Any) -> RunResult:
+    """DPO (notebook 10) on MiniMind's {"chosen", "rejected"} pairs (default data/dpo.jsonl) from
+    the run `init`, also the frozen reference; beta (default 0.1); lora_rank: adapters alone, folded
+    in at the end. 5% of the pairs held out give the validation loss (ln 2 before training)."""
+    kwargs = {"sample_prompts": (), **kwargs}
+    return _run_maybe_distributed("dpo", dict(kwargs, data=data, out=out, init=init))

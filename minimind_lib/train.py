@@ -11,7 +11,7 @@ import inspect
 import math
 import time
 import warnings
-from dataclasses import asdict, dataclass
+
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
@@ -29,63 +29,8 @@ from .device import AMP_MODES, CPU_BF16_MIN_HIDDEN, AmpSettings, resolve_amp  # 
 from .loggers import SendRows
 from .memory import MemoryMeter
 from .checks import require
+from .config import NORMALIZATIONS, TrainConfig  # noqa: F401 (train.TrainConfig too)
 from .model import chunked_lm_loss, is_right_padded, lm_loss
-
-NORMALIZATIONS = ("token", "naive")
-
-
-@dataclass
-class TrainConfig:
-    """Hyper-parameters of one training run (everything `fit` needs besides model, data and device)."""
-    lr: float = 1e-3  # peak learning rate
-    min_lr: float | None = None  # floor of the cosine decay; None: lr / 10
-    warmup_steps: int = 10  # linear warmup, in optimizer steps
-    max_steps: int = 100  # optimizer steps of the run (the cosine reaches min_lr here)
-    accum_steps: int = 1  # micro-batches per optimizer step (ignored when a controller splits the step)
-    weight_decay: float = 0.1  # applied to 2-D weights only (matmuls, embeddings), never to norms
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8
-    grad_clip: float | None = 1.0  # max global grad norm; None or 0: measure the norm, do not clip
-    amp: str = "auto"  # "auto" | "bf16" | "fp16" | "off" (see resolve_amp)
-    normalization: str = "token"  # "token": exact (sum / tokens of the step); "naive": mean per micro-batch / k
-    seed: int = 1337
-    log_every: int = 10  # steps between reads of the device (rows, bad steps, callbacks, bar)
-    loss_chunk: int = 0  # > 0: the head and the loss that many positions at a time (forward_loss)
-    eval_every: int = 0  # validation every N optimizer steps (0: only at the end, if val_batches is given)
-    ckpt_every: int = 0  # training-state checkpoint every N optimizer steps (0: never)
-    ckpt_dir: str | None = None  # checkpoints go to ckpt_dir/last.pt (every ckpt_every steps and at the end)
-    max_bad_steps: int = 3  # NaN/inf steps in a row before rolling back to the last checkpoint
-    lr_backoff: float = 0.5  # LR multiplier applied at each rollback
-    max_rollbacks: int = 3  # rollbacks before giving up with an error
-    progress: bool = True  # tqdm progress bar
-
-    RESUME_FIELDS = ("lr", "min_lr", "warmup_steps", "max_steps", "accum_steps", "weight_decay", "betas",
-                     "eps", "grad_clip", "amp", "normalization", "seed")  # shape optimisation: resume only as saved
-
-    def __post_init__(self) -> None:
-        rules = [("amp", self.amp in AMP_MODES, f"one of {AMP_MODES}"), ("lr", self.lr > 0, "> 0"),
-                 ("normalization", self.normalization in NORMALIZATIONS, f"one of {NORMALIZATIONS}")]
-        rules += [(name, int(getattr(self, name)) >= low, f">= {low}") for name, low in (
-            ("max_steps", 1), ("accum_steps", 1), ("max_bad_steps", 1), ("warmup_steps", 0), ("log_every", 0),
-            ("eval_every", 0), ("ckpt_every", 0), ("loss_chunk", 0))]
-        for name, ok, rule in rules:
-            if not ok:
-                raise ValueError(f"TrainConfig.{name}={getattr(self, name)!r}: must be {rule}")
-        self.betas = tuple(float(b) for b in self.betas)
-        self.min_lr = self.lr / 10 if self.min_lr is None else self.min_lr
-
-    @classmethod
-    def from_profile(cls, profile: Any, **overrides: Any) -> "TrainConfig":
-        """A config sized by a course profile (lr, steps, accumulation, eval cadence), with overrides."""
-        steps = overrides.pop("max_steps", profile.train_steps)
-        return cls(**{"lr": profile.lr, "max_steps": steps, "accum_steps": profile.accum_steps,
-                      "warmup_steps": max(1, steps // 10), "eval_every": profile.eval_every,
-                      "loss_chunk": profile.loss_chunk, **overrides})
-
-    def to_dict(self) -> dict:
-        """The config as plain types (stored in checkpoints, compared on resume)."""
-        return {**asdict(self), "betas": list(self.betas)}
-
 
 # 1. A plain step (notebook 04, section 1) ----------------------------------------------------------------------
 def _to_device(batch: dict, device: torch.device) -> dict:
@@ -188,10 +133,26 @@ def step_token_count(micro_batches: Sequence[dict], device: torch.device | str |
     return n
 
 
+class NextToken:
+    """What a step minimizes (the objective fit and accumulate_step take): the next-token loss
+    summed over a micro-batch's trained tokens, and their count; a step's loss is the sum over its
+    micro-batches / their total count. Notebook 10's dpo.DPO has the same two methods, per pair."""
+
+    def count(self, batch: dict) -> int:
+        return trained_tokens(batch["labels"])
+
+    def __init__(self, loss_chunk: int = 0) -> None:
+        self.loss_chunk = loss_chunk  # > 0: forward_loss's chunked head and loss
+
+    def loss_sum(self, model: nn.Module, batch: dict, amp_dtype: torch.dtype | None) -> tuple:
+        """(the summed loss, fp32; the MoE load-balancing loss or None)."""
+        return forward_loss(model, batch, amp_dtype, self.loss_chunk)
+
+
 def accumulate_step(model: nn.Module, micro_batches: Sequence[dict], *, amp_dtype: torch.dtype | None = None,
                     scaler: torch.amp.GradScaler | None = None, device: torch.device | str | None = None,
                     n_tokens_total: int | None = None, normalization: str = "token",
-                    sync: bool = True, loss_chunk: int = 0) -> dict:
+                    sync: bool = True, loss_chunk: int = 0, objective: Any = None) -> dict:
     """Forward+backward over the micro-batches of one optimizer step; gradients add up in .grad (no
     update). Returns loss_sum, n_tokens, loss (their ratio), micro_batches, rows, padded_tokens,
     empty_micro_batches (labels all -100: not run; under DDP run, adding 0, as the gradient sync
@@ -202,15 +163,18 @@ def accumulate_step(model: nn.Module, micro_batches: Sequence[dict], *, amp_dtyp
     rows, ranks), and the step's aux is the token-weighted mean of its micro-batches' (MiniMind-3's
     for equal n_i). sync=False (fit's loop): loss_sum and aux_loss stay device tensors, no `loss`:
     nothing here waits for the device. loss_chunk > 0: the head and the loss loss_chunk positions at
-    a time (forward_loss), not the whole logits."""
+    a time (forward_loss), not the whole logits. objective: what is summed and counted (default
+    NextToken(loss_chunk); notebook 10's DPO counts pairs)."""
     if normalization not in NORMALIZATIONS:
         raise ValueError(f"normalization={normalization!r}; choose one of {NORMALIZATIONS}")
     if not micro_batches:
         raise ValueError("accumulate_step got no micro-batches")
     device = torch.device(device) if device is not None else next(model.parameters()).device
     world, k = world_size(), len(micro_batches)
-    counts = [trained_tokens(mb["labels"]) for mb in micro_batches]  # from the batches on the CPU: no device read
-    n_tokens_total = step_token_count(micro_batches, device) if n_tokens_total is None else n_tokens_total
+    objective = objective or NextToken(loss_chunk)
+    counts = [objective.count(mb) for mb in micro_batches]  # from the CPU's batches: no device read
+    if n_tokens_total is None:  # under DDP every rank divides by the step's global count
+        n_tokens_total = sum(counts) if world == 1 else step_token_count(micro_batches, device)
     stats = {"micro_batches": k, "rows": sum(len(mb["input_ids"]) for mb in micro_batches),
              "padded_tokens": sum(mb["input_ids"].numel() for mb in micro_batches), "empty_micro_batches": 0}
     if n_tokens_total <= 0:  # every label -100: the loss is undefined, nothing to learn; the caller skips the step
@@ -223,7 +187,7 @@ def accumulate_step(model: nn.Module, micro_batches: Sequence[dict], *, amp_dtyp
         mb = _to_device(mb, device)
         last = world == 1 or i == k - 1 or not hasattr(model, "no_sync")  # DDP: all-reduce grads once, at the last
         with contextlib.nullcontext() if last else model.no_sync():
-            token_loss_sum, aux = forward_loss(model, mb, amp_dtype, loss_chunk)  # fp32
+            token_loss_sum, aux = objective.loss_sum(model, mb, amp_dtype)  # fp32
             if normalization == "token":  # exact: / the step's tokens (x world: DDP averages over the ranks)
                 loss = token_loss_sum * (world / n_tokens_total)
             else:  # "naive", MiniMind's loop: each micro-batch's mean loss / k
@@ -259,16 +223,18 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device | s
 # 7. Validation (04, section 6) ---------------------------------------------------------------------------------
 @torch.no_grad()
 def evaluate(model: nn.Module, batches: Iterable[dict], *, device: torch.device | str | None = None,
-             amp_dtype: torch.dtype | None = None) -> dict:
-    """Token-weighted validation loss (sum of token losses / tokens) and its perplexity exp(loss)."""
+             amp_dtype: torch.dtype | None = None, objective: Any = None) -> dict:
+    """Token-weighted validation loss (sum of token losses / tokens) and its perplexity exp(loss);
+    another objective's (DPO: the mean loss of the pairs)."""
+    objective = objective or NextToken()
     device = torch.device(device) if device is not None else next(model.parameters()).device
     was_training, total, n = model.training, 0.0, 0
     model.eval()
     try:
         for mb in batches:
             mb = _to_device(mb, device)
-            total += float(lm_loss(forward_logits(model, mb, amp_dtype), mb["labels"], reduction="sum"))
-            n += trained_tokens(mb["labels"])
+            total += float(objective.loss_sum(model, mb, amp_dtype)[0])
+            n += objective.count(mb)
     finally:
         model.train(was_training)
     if n == 0:
@@ -280,9 +246,11 @@ def evaluate(model: nn.Module, batches: Iterable[dict], *, device: torch.device 
 class _Run:
     """One `fit` call: model, optimizer, scaler, data position and counters, and the steps of its loop."""
     def __init__(self, model: nn.Module, data: Iterable, cfg: TrainConfig, device: torch.device, controller: Any,
-                 meter: Any, is_main_process: bool, callbacks: Sequence[Callable] = ()) -> None:
+                 meter: Any, is_main_process: bool, callbacks: Sequence[Callable] = (),
+                 objective: Any = None) -> None:
         self.model, self.cfg, self.device, self.controller = model.to(device).train(), cfg, device, controller
         self.callbacks = list(callbacks)  # cb(step, row) after each step, before its checkpoint (see save)
+        self.objective = objective  # what a step minimizes (None: the next-token loss)
         self.amp = resolve_amp(cfg.amp, device, getattr(getattr(model, "config", None), "hidden_size", None))
         self.stream, self.is_main_process = DataStream(data), is_main_process
         self.optimizer = build_optimizer(model, cfg, device)
@@ -302,7 +270,8 @@ class _Run:
         return accumulate_step(forward_model if forward_model is not None else self.model, micro_batches,
                                amp_dtype=self.amp.dtype, scaler=self.scaler, device=self.device,
                                n_tokens_total=n_tokens_total, normalization=self.cfg.normalization,
-                               sync=False, loss_chunk=self.cfg.loss_chunk)
+                               sync=False, loss_chunk=self.cfg.loss_chunk,
+                               objective=self.objective)
 
     def save(self, row: dict) -> None:
         """last.pt (rank 0; never NaN weights) with the callbacks' checkpoint_extra(); tag `row`; after_checkpoint()."""
@@ -433,7 +402,8 @@ class _Run:
             done, good = row["step"] + 1, not row["skipped"] and not rollback
             if good and val_batches is not None and ((cfg.eval_every and done % cfg.eval_every == 0)
                                                      or done == cfg.max_steps):
-                ev = evaluate(self.model, val_batches, device=self.device, amp_dtype=self.amp.dtype)
+                ev = evaluate(self.model, val_batches, device=self.device, amp_dtype=self.amp.dtype,
+                              objective=self.objective)
                 row["val_loss"], row["val_ppl"] = ev["loss"], ev["ppl"]
             row["event"] = ";".join(row.pop("events"))
             stop = "stop" in [cb(row["step"], row) for cb in self.callbacks] or stop  # every callback runs
@@ -452,14 +422,16 @@ def fit(model: nn.Module, train_batches_or_loader: Iterable, cfg: TrainConfig, *
         val_batches: Iterable[dict] | None = None, controller: Any = None, meter: Any = None,
         callbacks: Sequence[Callable[[int, dict], Any]] | None = None,
         resume_from: str | Path | None = None, is_main_process: bool = True,
-        loggers: Sequence[Any] = ()) -> pd.DataFrame:
+        loggers: Sequence[Any] = (), objective: Any = None) -> pd.DataFrame:
     """Train `model` for cfg.max_steps optimizer steps: a DataFrame, one metrics row per step (attrs: run counters).
     The data yields cfg.accum_steps collated micro-batches per step, or, with a controller, each step's samples for
     `controller.run_step(item, accumulate_fn[, zero_grad=model])` to split. cb(step, row) for each step at the next
     log point, before its checkpoint (cb.checkpoint_extra() goes into it; then cb.after_checkpoint()); "stop" ends.
     loggers (loggers.py: TensorBoard, wandb) get each row after the callbacks, at its checkpoint."""
+    # objective: what a step minimizes and validation reports (default NextToken(); 10: dpo.DPO)
     run = _Run(model, train_batches_or_loader, cfg, torch.device(device), controller, meter, is_main_process,
-               [*(callbacks or ()), SendRows(loggers, buffered=cfg.ckpt_dir is not None)])
+               [*(callbacks or ()), SendRows(loggers, buffered=cfg.ckpt_dir is not None)],
+               objective)
     if resume_from is not None:
         run.restore(Path(resume_from), resume=True)
     else:

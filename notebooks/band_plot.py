@@ -1,6 +1,7 @@
-"""The band figure of notebooks 07_pretrain and 08_sft: a run's validation losses over its profile's reference band.
+"""The band figure of notebooks 07_pretrain, 08_sft and 10_lora_dpo: a run's validation losses over its profile's
+reference band.
 
-Plotting only (the band, the verdict and the doctor are minimind_lib.evaluate's); one copy for both chapters.
+Plotting only (the band, the verdict and the doctor are minimind_lib.evaluate's); one copy for the chapters.
 """
 
 from typing import Any
@@ -10,9 +11,10 @@ import pandas as pd
 from matplotlib.ticker import EngFormatter
 
 
-def draw_band(band: dict, ref: dict, val_points: pd.DataFrame, seed: int, title: str, ylabel: str) -> Any:
+def draw_band(band: dict, ref: dict, val_points: pd.DataFrame, seed: int, title: str, ylabel: str,
+              xlabel: str = "tokens seen") -> Any:
     """The band's seeds (lowest to highest, the 95% prediction interval, the median) and this run's points."""
-    made, n = band["made_by"], band["n_seeds"]
+    made, n = ref.get("made_by", band["made_by"]), len(ref.get("seeds", band["seeds"]))
     fig, ax = plt.subplots(figsize=(8, 4.2))
     ax.fill_between(ref["tokens"], ref["quantiles"]["0.0"], ref["quantiles"]["1.0"], color="tab:blue", alpha=0.35,
                     label=f"lowest to highest of the {n} seeds")
@@ -20,7 +22,7 @@ def draw_band(band: dict, ref: dict, val_points: pd.DataFrame, seed: int, title:
                     label=f"95% prediction interval ({n} seeds)")
     ax.plot(ref["tokens"], ref["quantiles"]["0.5"], "k--", lw=1, label="the seeds' median")
     ax.plot(val_points["tokens_seen"], val_points["val_loss"], "o-", color="tab:orange", label=f"this run (seed {seed})")
-    ax.set(xlabel="tokens seen", ylabel=ylabel)
+    ax.set(xlabel=xlabel, ylabel=ylabel)
     ax.xaxis.set_major_formatter(EngFormatter())
     ax.legend()
     ax.set_title(f"{title}\nband: {made['device']} {ref['dtype']}, {made['cpu']}, {made['threads']} threads, {n} seeds",

@@ -1,4 +1,4 @@
-"""Checks for the exercises of notebooks 00-09, shared by each chapter and its solution notebook (notebooks/solutions/).
+"""Checks for the exercises of notebooks 00-10, shared by each chapter and its solution notebook (notebooks/solutions/).
 
 Each check takes the learner's answer (a value or a function) and what the notebook built, and then:
 - with the placeholder (None, or a function that raises NotImplementedError) prints "not attempted yet", a hint and
@@ -27,7 +27,7 @@ import torch
 
 CHAPTERS = {"00": "00_setup", "01": "01_tokenizer", "02": "02_data", "03": "03_model",
             "04": "04_gradient_accumulation", "05": "05_mixed_precision", "06": "06_dynamic_batching",
-            "07": "07_pretrain", "08": "08_sft", "09": "09_beyond_one_gpu"}
+            "07": "07_pretrain", "08": "08_sft", "09": "09_beyond_one_gpu", "10": "10_lora_dpo"}
 NOT_ATTEMPTED = "not attempted yet"
 PASSED = "passed"
 STRICT = False  # the solution notebooks set True: there, an exercise left unattempted is an error
@@ -647,3 +647,65 @@ def check_09_unmatched_broadcasts(fn: Callable[[list[int]], int]) -> None:
             got = fn(list(forwards))
             assert got == want, f"forwards per rank {forwards}: {got!r} is not right."
     return verdict("09.4", "one broadcast per forward on each rank; pair them up in order.", test, fn)
+
+
+# 10 LoRA and DPO ------------------------------------------------------------------------------------------------------
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def check_10_lora_trainable(fn: Callable) -> None:
+    """Exercise 10.1: the parameters LoRA trains for given projections, from a configuration's shapes alone."""
+    from minimind_lib.lora import apply_lora
+    from minimind_lib.model import MiniMindConfig, MiniMindForCausalLM
+
+    def test():
+        for _ in range(6):
+            kv = random.choice((1, 2, 4))
+            config = MiniMindConfig(hidden_size=random.choice((64, 96, 512)), num_attention_heads=kv * random.choice(
+                (1, 2, 4)), num_key_value_heads=kv, head_dim=random.choice((16, 32, 48)), intermediate_size=
+                random.choice((128, 320, 1408)), num_hidden_layers=random.randint(1, 4), vocab_size=300)
+            targets = tuple(random.sample(PROJECTIONS, random.randint(1, len(PROJECTIONS))))
+            rank = random.randint(1, 16)
+            with torch.device("meta"):
+                model = apply_lora(MiniMindForCausalLM(config), rank, targets=targets)
+            want = sum(p.numel() for p in model.parameters() if p.requires_grad)
+            got = fn(config, rank, targets)
+            assert got == want, (f"lora_trainable for {config.num_hidden_layers} blocks, hidden {config.hidden_size}, "
+                                 f"{config.num_attention_heads} heads of {config.head_dim}, "
+                                 f"{config.num_key_value_heads} kv heads, FFN {config.intermediate_size}, rank {rank}, "
+                                 f"targets {targets}: {got!r}, not the count the library's LoRA layers train.")
+    return verdict("10.1", "an adapted Linear of in -> out trains rank * (in + out); q maps hidden to heads x "
+                   "head_dim, k and v to kv_heads x head_dim, o back to hidden, gate and up to the FFN width, down "
+                   "back; once per block.", test, fn)
+
+
+def check_10_margin_for(fn: Callable) -> None:
+    """Exercise 10.2: the log-ratio margin at which a pair's DPO loss has fallen to a given value."""
+    from minimind_lib.dpo import dpo_loss
+
+    def test():
+        for _ in range(8):
+            loss, beta = random.uniform(0.005, 2.0), random.uniform(0.02, 1.0)
+            m = fn(loss, beta)
+            got = float(dpo_loss(torch.tensor(float(m), dtype=torch.float64), torch.tensor(0.0, dtype=torch.float64),
+                                 torch.tensor(0.0, dtype=torch.float64), torch.tensor(0.0, dtype=torch.float64), beta))
+            assert _close(got, loss, 1e-6), (f"margin_for({loss:.4g}, {beta:.3g}) = {m!r}: at that margin the loss is "
+                                             f"{got:.6g}, not {loss:.4g}.")
+    return verdict("10.2", "solve -log sigmoid(beta m) = loss for m: sigmoid(beta m) = exp(-loss), so beta m is the "
+                   "logit of exp(-loss).", test, fn)
+
+
+def check_10_reply_kl(fn: Callable) -> None:
+    """Exercise 10.3: KL(policy || reference) of a reply's next-token distributions, summed over its positions."""
+    def test():
+        for _ in range(5):
+            t, v = random.randint(1, 12), random.randint(5, 400)
+            p, q = torch.randn(t, v) * random.uniform(0.5, 4), torch.randn(t, v) * random.uniform(0.5, 4)
+            lp, lq = p.double().log_softmax(-1), q.double().log_softmax(-1)
+            want = float((lp.exp() * (lp - lq)).sum())
+            got = fn(p, q)
+            assert _close(float(got), want, 1e-4), (f"on logits of {t} positions x {v} tokens: {float(got):.6g}, "
+                                                    f"not the KL of the policy from the reference.")
+            assert abs(float(fn(p, p.clone()))) < 1e-6, "a policy equal to its reference has a KL of 0."
+    return verdict("10.3", "log_softmax both over the vocabulary; the policy's probabilities times the difference of "
+                   "the log-probabilities, summed over tokens and positions.", test, fn)

@@ -216,3 +216,16 @@ def test_no_garbled_or_control_chars(which, request):
     texts = [r["text"] for r in rows] if which != "sft" else [m["content"] for r in rows for m in r["conversations"]]
     bad = [t[:60] for t in texts if BAD_CHARS.search(t)]
     assert not bad, f"{which}: {len(bad)} texts hold garbled/control characters, e.g. {bad[:2]}"
+
+
+def test_dpo_jsonl_is_what_its_rule_builds_from_sft_jsonl(tmp_path):
+    """data/dpo.jsonl is ONE_LINE_RULE applied to data/sft.jsonl, byte for byte; every pair differs only in its last
+    reply's line breaks (the rule is all the pairs teach)."""
+    (tmp_path / "sft.jsonl").write_bytes((DATA / "sft.jsonl").read_bytes())
+    bc.build_dpo(tmp_path)
+    assert (tmp_path / "dpo.jsonl").read_bytes() == (DATA / "dpo.jsonl").read_bytes()
+    for line in (DATA / "dpo.jsonl").read_text(encoding="utf-8").splitlines():
+        pair = json.loads(line)
+        chosen, rejected = pair["chosen"][-1]["content"], pair["rejected"][-1]["content"]
+        assert pair["chosen"][:-1] == pair["rejected"][:-1] and "\n" not in chosen and "\n" in rejected.strip()
+        assert chosen.split() == rejected.split()  # the same words in the same order

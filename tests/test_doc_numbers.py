@@ -27,9 +27,9 @@ def test_every_generated_number_matches_its_source(doc: Path):
 
 @pytest.mark.parametrize("doc, keys", [
     (GUIDE, ["est:reading:all", "est:exercises:all", "est:hours:all", "est:reading:04-06", "est:exercises:04-06",
-             "est:total:07", "est:total:08", "run:workshop:all", "committed:profile"]),
+             "est:total:07", "est:total:08", "run:workshop:all", "committed:profile:00-09"]),
     (ANSWERS, ["out:07.val_loss_before", "out:07.ppl_before", "out:07.ppl_after", "out:07.amp"]),
-    (README, ["committed:profile", "committed:device", "out:07.amp", "out:07.val_loss_after", "out:08.val_loss_after"]),
+    (README, ["committed:profile:00-09", "committed:device:00-09", "out:07.amp", "out:07.val_loss_after", "out:08.val_loss_after"]),
 ], ids=["teaching.md", "answers.md", "README.md"])
 def test_totals_and_quotes_are_generated_not_typed(doc: Path, keys: list[str]):
     found = {m["key"] for m in doc_numbers.MARK.finditer(doc.read_text(encoding="utf-8"))}
@@ -75,11 +75,11 @@ def test_a_quote_follows_the_committed_output(tmp_path: Path):
 
 def test_check_fails_on_a_stale_file_and_passes_once_rewritten(tmp_path: Path):
     doc = tmp_path / "notes.md"
-    doc.write_text("<!--n:committed:profile-->no-such-profile<!--/n--> outputs\n")  # read from this repository
+    doc.write_text("<!--n:committed:profile:00-09-->no-such-profile<!--/n--> outputs\n")  # read from this repository
     assert doc_numbers.main(["--check", str(doc)]) == 1 and "no-such" in doc.read_text()  # --check writes nothing
     assert doc_numbers.main([str(doc)]) == 0
     assert doc_numbers.main(["--check", str(doc)]) == 0
-    assert doc.read_text() == f"<!--n:committed:profile-->{doc_numbers.value_of('committed:profile')}<!--/n--> outputs\n"
+    assert doc.read_text() == f"<!--n:committed:profile:00-09-->{doc_numbers.value_of('committed:profile:00-09')}<!--/n--> outputs\n"
 
 
 def test_estimate_sums_and_a_plan_that_does_not_fit(tmp_path: Path):

@@ -1,6 +1,7 @@
-"""The notebooks' exercises: 2-4 per chapter 01-09, each with a check cell, a solution notebook that runs the same
+"""The notebooks' exercises: 2-4 per chapter 01-10, each with a check cell, a solution notebook that runs the same
 checks, committed check outputs that never show an answer, and checks that fail on wrong answers
 (notebooks/exercise_checks.py; the solution notebooks themselves are executed by nbval with the chapters)."""
+import math
 import re
 import sys
 from pathlib import Path
@@ -13,7 +14,7 @@ NB_DIR = Path(__file__).resolve().parents[1] / "notebooks"
 sys.path.insert(0, str(NB_DIR))
 import exercise_checks as ec  # noqa: E402
 
-CHAPTERS = sorted(NB_DIR.glob("0*.ipynb"))
+CHAPTERS = sorted(NB_DIR.glob("[0-9][0-9]_*.ipynb"))
 CHECK_CALL = re.compile(r"\bec\.(check_(\d\d)_\w+)\(")
 HEADING = re.compile(r"^### Exercise (\d+): \S")
 NOT_ATTEMPTED_LINE = re.compile(r"^exercise (\d\d)\.(\d): not attempted yet\. Hint: .+ Worked solution: "
@@ -40,7 +41,7 @@ def checks_called(nb) -> list[str]:
 
 
 def test_every_chapter_is_found():
-    assert [p.name[:2] for p in CHAPTERS] == [f"{i:02d}" for i in range(10)]
+    assert [p.name[:2] for p in CHAPTERS] == [f"{i:02d}" for i in range(11)]
     assert sorted(ec.CHAPTERS.values()) == [p.stem for p in CHAPTERS]
 
 
@@ -140,6 +141,28 @@ LIGHT_CASES = {  # check, placeholder, wrong answer, right answer, text the plac
     "04.1": (ec.check_04_naive_loss, _raises_not_implemented, _token_weighted_loss, _naive_loss, "mean of"),
     "04.3": (ec.check_04_exact_loss, _raises_not_implemented, _naive_loss, _token_weighted_loss, "sum("),
 }
+
+
+def _lora_trainable(c, rank, targets):  # 10.1's answer: rank x (in + out) for each adapted projection, per block
+    h, f, q, kv = c.hidden_size, c.intermediate_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    sizes = {"q_proj": h + q, "k_proj": h + kv, "v_proj": h + kv, "o_proj": q + h, "gate_proj": h + f, "up_proj": h + f,
+             "down_proj": f + h}
+    return c.num_hidden_layers * rank * sum(sizes[t] for t in targets)
+
+
+def _kl(p, q):
+    lp, lq = p.double().log_softmax(-1), q.double().log_softmax(-1)
+    return float((lp.exp() * (lp - lq)).sum())
+
+
+LIGHT_CASES.update({
+    "10.1": (ec.check_10_lora_trainable, _raises_not_implemented,
+             lambda c, rank, targets: c.num_hidden_layers * len(targets) * rank * 2 * c.hidden_size,  # all square
+             _lora_trainable, "sum("),
+    "10.2": (ec.check_10_margin_for, _raises_not_implemented, lambda loss, beta: -math.log(math.expm1(loss)),
+             lambda loss, beta: -math.log(math.expm1(loss)) / beta, "expm1"),
+    "10.3": (ec.check_10_reply_kl, _raises_not_implemented, lambda p, q: _kl(q, p), _kl, "log_softmax(-1)"),
+})
 
 
 def _call(check, answer):

@@ -71,6 +71,10 @@ def test_every_region_keeps_a_docstring_and_has_a_check_cell(path):
         lines = cell.source.split("\n")
         for r in regions:
             assert lines[r.begin - 1].rstrip().endswith('"""'), f"{path.name} {r.name}: a docstring ends above it"
+            if path.name.startswith("10"):  # its regions' checks: notebooks/lora_dpo.py's, until lab_checks has a ch10 table
+                later = "".join(c.source for c in nb.cells[i + 1:] if c.cell_type == "code")
+                assert "ld.check_" in later, f"{path.name} {r.name}: no check cell after the region"
+                continue
             assert r.name in lab_checks.REGIONS, f"{path.name} {r.name}: no check in lab_checks"
             later = [n for c in nb.cells[i + 1:] if c.cell_type == "code" for n in CHECK_CALL.findall(c.source)]
             assert r.name in later, f"{path.name} {r.name}: no lab.check({r.name!r}, ...) cell after the region"
@@ -79,7 +83,8 @@ def test_every_region_keeps_a_docstring_and_has_a_check_cell(path):
 
 def test_every_check_belongs_to_a_region_and_every_mistake_builds():
     """No table declares a region that no chapter holds; every usual mistake written as an edit of a source applies."""
-    names = {r.name for path in CHAPTERS for r in handout.notebook_regions(chapter(path))}
+    names = {r.name for path in CHAPTERS if not path.name.startswith("10")  # lora_dpo.py's checks
+             for r in handout.notebook_regions(chapter(path))}
     assert set(lab_checks.REGIONS) == names
     for region in lab_checks.REGIONS.values():
         for what, wrong in region.mistakes:
@@ -167,7 +172,9 @@ def with_mistake(stem: str, name: str, right: str, wrong: str) -> str:
     return body.replace(right, wrong)
 
 
-REGIONS = [(path.stem, r.name) for path in CHAPTERS for r in handout.notebook_regions(chapter(path))]
+# chapter 10's regions are checked by notebooks/lora_dpo.py's own checks (test_lora_dpo.py), not lab_checks yet
+REGIONS = [(path.stem, r.name) for path in CHAPTERS if not path.name.startswith("10")
+           for r in handout.notebook_regions(chapter(path))]
 
 
 @pytest.mark.parametrize("stem, name", REGIONS, ids=lambda v: str(v))

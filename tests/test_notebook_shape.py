@@ -1,31 +1,60 @@
 """The shape of the chapters: no chapter code cell is longer than 40 lines (plots, timing loops, subprocess
-measurements, widgets and tables live in helper modules beside the notebooks)."""
+measurements, widgets and tables live in helper modules beside the notebooks), and the helper modules a chapter
+imports from beside it are handed out with it."""
+import re
+import sys
 from pathlib import Path
 
 import nbformat
 import pytest
 
-NB_DIR = Path(__file__).resolve().parents[1] / "notebooks"
+REPO = Path(__file__).resolve().parents[1]
+NB_DIR = REPO / "notebooks"
+sys.path.insert(0, str(REPO / "tools"))
+import handout  # noqa: E402
+
+MAX_CELL_LINES = 40
+CHAPTERS = ("00_setup", "01_tokenizer", "02_data", "03_model", "04_gradient_accumulation",
+            "05_mixed_precision", "06_dynamic_batching")
+IMPORTED = re.compile(r"^\s*(?:import|from) (\w+)", re.M)
+
+
+def long_code_cells(nb: nbformat.NotebookNode, name: str) -> list[str]:
+    """'NAME cell N: K lines' for every code cell longer than MAX_CELL_LINES lines, blank lines counted."""
+    return [f"{name} cell {i}: {len(c.source.splitlines())} lines" for i, c in enumerate(nb.cells)
+            if c.cell_type == "code" and len(c.source.splitlines()) > MAX_CELL_LINES]
+
+
+@pytest.mark.parametrize("stem", CHAPTERS)
+def test_no_chapter_code_cell_is_over_40_lines(stem):
+    nb = nbformat.read(NB_DIR / f"{stem}.ipynb", as_version=4)
+    assert long_code_cells(nb, stem) == [], "move the harness into a helper module beside the notebooks"
+
+
+def test_a_cell_of_41_lines_is_caught_and_one_of_40_is_not():
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("x = 1\n" * 39 + "x = 1"),
+                                         nbformat.v4.new_markdown_cell("words\n" * 60),
+                                         nbformat.v4.new_code_cell("x = 1\n" * 20 + "\n" * 20 + "y = 2")])
+    assert long_code_cells(nb, "made") == ["made cell 2: 41 lines"]
+
+
+@pytest.mark.parametrize("stem", sorted(p.stem for p in NB_DIR.glob("[01][0-9]_*.ipynb")))
+def test_the_helper_modules_a_chapter_imports_are_handed_out(stem):
+    """A module a chapter imports from beside it (notebooks/NAME.py or notebooks/NAME/) is copied beside the lab
+    edition and the chapters in the handout, or the handed-out notebook stops at its import."""
+    cells = nbformat.read(NB_DIR / f"{stem}.ipynb", as_version=4).cells
+    beside = {name for c in cells if c.cell_type == "code" for name in IMPORTED.findall(c.source)
+              if (NB_DIR / f"{name}.py").is_file() or (NB_DIR / name / "__init__.py").is_file()}
+    missing = sorted(name for name in beside if f"{name}.py" not in handout.BESIDE_NOTEBOOKS
+                     and name not in handout.BESIDE_NOTEBOOKS)
+    assert missing == [], f"{stem} imports {missing} from beside it, which tools/handout.py does not hand out"
 
 
 # ----------------------------------------------------------------------------------- chapters 07, 08, 09
 CHAPTERS_07_TO_09 = ("07_pretrain", "08_sft", "09_beyond_one_gpu")
 
 
-def code_cells_over_40_lines(nb: nbformat.NotebookNode) -> list[str]:
-    """'cell N (id): K lines' for every code cell of more than 40 lines, blank lines counted."""
-    return [f"cell {i} ({c.get('id')}): {len(c.source.splitlines())} lines" for i, c in enumerate(nb.cells)
-            if c.cell_type == "code" and len(c.source.splitlines()) > 40]
-
-
 @pytest.mark.parametrize("stem", CHAPTERS_07_TO_09)
 def test_chapters_07_to_09_have_no_code_cell_over_40_lines(stem):
     nb = nbformat.read(NB_DIR / f"{stem}.ipynb", as_version=4)
-    assert code_cells_over_40_lines(nb) == [], f"{stem}: move the harness into a helper module beside the notebooks"
-
-
-def test_a_code_cell_of_41_lines_is_caught():
-    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("x = 1\n" * 39 + "x = 1"),
-                                         nbformat.v4.new_markdown_cell("words\n" * 60),
-                                         nbformat.v4.new_code_cell("x = 1\n" * 20 + "\n" * 20 + "y = 2")])
-    assert code_cells_over_40_lines(nb) == [f"cell 2 ({nb.cells[2].id}): 41 lines"]
+    assert long_code_cells(nb, stem) == [], "move the harness into a helper module beside the notebooks"

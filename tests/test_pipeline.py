@@ -198,5 +198,5 @@ def test_plan_run_takes_the_profiles_stage_sizes():
     g = get_profile("gpu")
     assert (gpu["steps"], gpu["accum_steps"], gpu["max_tokens"]) == (g.sft_steps, g.accum_steps, g.max_tokens)
     assert set(pipeline.plan_kwargs(gpu)) == {"steps", "accum_steps", "max_tokens", "eval_every"}
-    with pytest.raises(ValueError, match="stage='dpo'"):
-        pipeline.plan_run("smoke", "dpo")
+    with pytest.raises(ValueError, match="stage='ppo'"):
+        pipeline.plan_run("smoke", "ppo")

@@ -17,6 +17,7 @@ between markers, `<!--n:KEY-->VALUE<!--/n-->` (invisible once rendered), and thi
     run:PROFILE:NOTEBOOKS          minutes measured in that profile (docs/timings/PROFILE.json), summed
     out:NAME                       a value printed by a committed notebook (OUTPUTS below: notebook, pattern, format)
     committed:profile|device|cores the profile, device and CPU cores that every committed notebook's outputs come from
+                                   (committed:device:00-09: those notebooks' only)
     committed:date:NN              the day notebook NN was executed (its first timed cell)
 
 `--check` exits 1 when a file is not up to date (the test suite runs it), so a typed number that no longer matches
@@ -95,6 +96,9 @@ def output_value(name: str, notebook_dir: Path = NOTEBOOKS) -> str:
 def committed_value(what: str, notebook_dir: Path = NOTEBOOKS) -> str:
     """The profile, device or CPU cores of the committed outputs (the same in every notebook), or one's run date."""
     numbers = sorted(p.name[:2] for p in notebook_dir.glob("[0-9][0-9]_*.ipynb"))
+    if not what.startswith("date:") and ":" in what:  # committed:device:00-09: those notebooks only
+        what, spec = what.split(":", 1)
+        numbers = _notebooks(spec, numbers)
     if what.startswith("date:"):
         record = course_times.notebook_record(_notebook(what[5:], notebook_dir), what[5:])
         if not record["executed_utc"]:

@@ -1,7 +1,7 @@
-"""Make a profile's reference band from real runs: `python tools/make_reference.py PROFILE [--seeds 5]`.
+"""Make a profile's reference band from real runs: `python tools/make_reference.py PROFILE [--seeds 5] [--add dpo]`.
 
-Runs the profile's pretraining and then its SFT (through minimind_lib.pipeline, as `python -m minimind_lib pretrain`
-and `sft` do) once per seed, and writes minimind_lib/assets/bands/PROFILE.json: for each stage, the validation loss of
+Runs the profile's pretraining, then its SFT, then its DPO on data/dpo.jsonl (through minimind_lib.pipeline, as
+`python -m minimind_lib pretrain`, `sft` and `dpo` do) once per seed, and writes minimind_lib/assets/bands/PROFILE.json: for each stage, the validation loss of
 every seed against trained tokens, its quantiles on a common token grid, and the 95% prediction interval for one more
 seed (mean +- t * sd * sqrt(1 + 1/n), n seeds) that `compare` and notebooks 07/08 judge a run against. The file records
 the seeds, the dtype, the torch threads, the device and CPU, torch's version, the date and this command. The runs go
@@ -9,6 +9,9 @@ to a temporary folder (or --work DIR, which must not exist yet), removed at the 
 --work names the folder of an earlier invocation's --keep: a seed's stage that finished there (its summary.json
 written) is read back instead of trained again, and the folder is left as it was (a run the code of the day would
 train differently is the user's to rule out: compare one seed's metrics.csv with a fresh run's).
+--add STAGE trains every stage up to STAGE and writes STAGE alone into the profile's existing band file: its other
+stages stay as they were, and STAGE's entry records its own seeds, machine and date (notebook 10's DPO band was added
+so, beside 07's and 08's). A DPO run's validation loss is the mean DPO loss of its held-out pairs, its tokens pairs.
 """
 
 from __future__ import annotations
@@ -89,10 +92,13 @@ def finished_run(run_dir: Path) -> tuple[SimpleNamespace, float] | None:
             json.loads(summary.read_text())["wall_time_s"])
 
 
-def run_seed(profile: str, seed: int, work: Path, reuse: bool = False) -> dict[str, dict]:
-    """The profile's pretraining and SFT for one seed; per stage what the band needs from it."""
+STAGES = ("pretrain", "sft", "dpo")  # each starts from the one before
+
+
+def run_seed(profile: str, seed: int, work: Path, reuse: bool = False, stages: tuple = STAGES) -> dict[str, dict]:
+    """The profile's runs of `stages` for one seed, in order; per stage what the band needs from it."""
     out, found = {}, {}
-    for stage in ("pretrain", "sft"):
+    for stage in stages:
         t0 = time.perf_counter()
         kwargs = dict(profile=profile, seed=seed, progress=False, cache_dir=work / "cache", log=lambda msg: None)
         if reuse and (earlier := finished_run(work / f"seed{seed}" / stage)) is not None:
@@ -101,8 +107,10 @@ def run_seed(profile: str, seed: int, work: Path, reuse: bool = False) -> dict[s
             print(f"seed {seed} {stage}: read back from {work / f'seed{seed}' / stage} (--reuse)", flush=True)
         elif stage == "pretrain":
             result = pipeline.pretrain(out=work / f"seed{seed}" / stage, sample_every=0, **kwargs)
-        else:
-            result = pipeline.sft(out=work / f"seed{seed}" / stage, init=work / f"seed{seed}" / "pretrain", **kwargs)
+        else:  # sft from the seed's pretraining, dpo from its sft
+            run = pipeline.sft if stage == "sft" else pipeline.dpo
+            result = run(out=work / f"seed{seed}" / stage, init=work / f"seed{seed}" / STAGES[STAGES.index(stage) - 1],
+                         **kwargs)
         tokens, val = curve(result.metrics)
         spikes = grad_spikes(result.metrics, result.config["train"]["warmup_steps"])
         found[stage] = {"seed": seed, "tokens": tokens, "val_loss": val, "dtype": result.config["amp"]["resolved"],
@@ -127,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep", action="store_true", help="keep the runs' folder")
     parser.add_argument("--reuse", action="store_true", help="--work is an earlier --keep's folder: read back the "
                         "stages that finished there, train the rest, leave the folder")
+    parser.add_argument("--add", choices=STAGES, default=None, help="write only this stage into the existing band "
+                        "file (the stages before it are trained, as its runs start from them, and not written)")
     args = parser.parse_args(argv)
     if args.reuse and not (args.work and Path(args.work).is_dir()):
         parser.error("--reuse needs --work DIR, the folder an earlier --keep left")
@@ -139,28 +149,35 @@ def main(argv: list[str] | None = None) -> int:
     if args.work and not args.reuse:
         work.mkdir(parents=True)  # refuses an existing folder: this tool removes only what it made
     out = Path(args.out) if args.out else BANDS_DIR / f"{args.profile}.json"
+    if args.add and not out.is_file():
+        parser.error(f"--add {args.add}: no band file {out} to add it to (make the whole band first)")
+    stages = STAGES[:STAGES.index(args.add) + 1] if args.add else STAGES
     seeds = list(range(args.first_seed, args.first_seed + args.seeds))
     started = datetime.datetime.now(datetime.timezone.utc)
     try:
-        runs = [run_seed(args.profile, seed, work, args.reuse) for seed in seeds]
+        runs = [run_seed(args.profile, seed, work, args.reuse, stages) for seed in seeds]
     finally:
         if not (args.keep or args.reuse):
             shutil.rmtree(work, ignore_errors=True)
     t95 = t_quantile(0.975, len(seeds) - 1)
-    band = {"format": BAND_FORMAT, "version": BAND_VERSION, "profile": args.profile, "n_seeds": len(seeds),
-            "seeds": seeds, "profile_sizes": get_profile(args.profile).to_dict(),
-            "made_by": {"command": " ".join(["python tools/make_reference.py",
-                                             *(argv if argv is not None else sys.argv[1:])]),
-                        "date": started.strftime("%Y-%m-%d"), "device": "cpu", "cpu": device_name(torch.device("cpu")),
-                        "threads": torch.get_num_threads(), "torch": torch.__version__,
-                        "python": platform.python_version()},
-            "method": f"per stage: each seed's validation loss interpolated (linearly in trained tokens) onto the "
-                      f"median token count of every validation point; lower/upper: the 95% prediction interval for "
-                      f"one more seed, mean +- t(0.975, {len(seeds) - 1}) = {t95:.3f} x sd x sqrt(1 + 1/{len(seeds)})",
-            "stages": {stage: stage_band([r[stage] for r in runs], t95) for stage in ("pretrain", "sft")}}
+    made_by = {"command": " ".join(["python tools/make_reference.py", *(argv if argv is not None else sys.argv[1:])]),
+               "date": started.strftime("%Y-%m-%d"), "device": "cpu", "cpu": device_name(torch.device("cpu")),
+               "threads": torch.get_num_threads(), "torch": torch.__version__, "python": platform.python_version()}
+    if args.add:  # the file as it was, with this stage's band (and its own seeds and machine) added or replaced
+        band = json.loads(out.read_text(encoding="utf-8"))
+        band["stages"][args.add] = {**stage_band([r[args.add] for r in runs], t95), "seeds": seeds,
+                                    "made_by": made_by, "profile_sizes": get_profile(args.profile).to_dict()}
+    else:
+        band = {"format": BAND_FORMAT, "version": BAND_VERSION, "profile": args.profile, "n_seeds": len(seeds),
+                "seeds": seeds, "profile_sizes": get_profile(args.profile).to_dict(), "made_by": made_by,
+                "method": f"per stage: each seed's validation loss interpolated (linearly in trained tokens) onto "
+                          f"the median token count of every validation point; lower/upper: the 95% prediction "
+                          f"interval for one more seed, mean +- t(0.975, {len(seeds) - 1}) = {t95:.3f} x sd x "
+                          f"sqrt(1 + 1/{len(seeds)})",
+                "stages": {stage: stage_band([r[stage] for r in runs], t95) for stage in stages}}
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out, json.dumps(band, indent=1, ensure_ascii=False) + "\n")
-    for stage, b in band["stages"].items():
+    for stage, b in ((s, band["stages"][s]) for s in ([args.add] if args.add else stages)):
         q = b["quantiles"]
         print(f"{stage}: final val loss min {q['0.0'][-1]} median {q['0.5'][-1]} max {q['1.0'][-1]}; "
               f"allowed {b['lower'][-1]}..{b['upper'][-1]}")
