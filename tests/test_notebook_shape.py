@@ -48,3 +48,13 @@ def test_the_helper_modules_a_chapter_imports_are_handed_out(stem):
     missing = sorted(name for name in beside if f"{name}.py" not in handout.BESIDE_NOTEBOOKS
                      and name not in handout.BESIDE_NOTEBOOKS)
     assert missing == [], f"{stem} imports {missing} from beside it, which tools/handout.py does not hand out"
+
+
+# ----------------------------------------------------------------------------------- chapters 07, 08, 09
+CHAPTERS_07_TO_09 = ("07_pretrain", "08_sft", "09_beyond_one_gpu")
+
+
+@pytest.mark.parametrize("stem", CHAPTERS_07_TO_09)
+def test_chapters_07_to_09_have_no_code_cell_over_40_lines(stem):
+    nb = nbformat.read(NB_DIR / f"{stem}.ipynb", as_version=4)
+    assert long_code_cells(nb, stem) == [], "move the harness into a helper module beside the notebooks"

@@ -61,7 +61,7 @@ from minimind_lib.paths import REPO_DIR
 BESIDE_NOTEBOOKS = ("exercise_checks.py", "lab_checks", "chat_box.py", "band_plot.py", "ddp_demo.py", "lora_dpo.py",
                     "figures", "verdict.py", "matmul_timing.py", "tokenizer_views.py", "data_measurements.py",
                     "model_harness.py", "memory_planner.py", "step_timing.py", "accumulation_harness.py",
-                    "precision_harness.py", "batching_harness.py")
+                    "precision_harness.py", "batching_harness.py", "run_report.py", "ddp_report.py")
 BESIDE_SOLUTIONS = ("exercise_checks.py",)
 DATA_FILES = ("pretrain.jsonl", "pretrain_val.jsonl", "sft.jsonl", "pretrain_t2t_mini.jsonl", "sft_t2t_mini.jsonl",
               "dpo.jsonl", "LICENSES.md", "README.md")
