@@ -66,16 +66,8 @@ def device(text: str) -> str:
                                          "GPU's index) or mps")
 
 
-def _add_train_args(p: argparse.ArgumentParser, stage: str) -> None:
-    default = {"lora": "sft"}.get(stage, stage)
-    p.add_argument("--data", default=None,
-                   help=f"jsonl file (default: data/{default}.jsonl); MiniMind's own files work")
-    p.add_argument("--out", required=True,
-                   help="run directory to write (config.json, model.pth, tokenizer/, metrics.csv, "
-                        "last.pt)")
-    p.add_argument("--profile", default=None,
-                   help="sizes from this profile: smoke, workshop, cpu, gpu (default: "
-                        "MINIMIND_PROFILE or auto)")
+def _add_stage_args(p: argparse.ArgumentParser, stage: str) -> None:
+    """The options of one stage: where it starts from, its model or its adapters."""
     if stage == "pretrain":
         p.add_argument("--config", default=None,
                        help=f"model preset: {', '.join(PRESETS)} (default: the profile's)")
@@ -99,6 +91,19 @@ def _add_train_args(p: argparse.ArgumentParser, stage: str) -> None:
     if stage == "dpo":
         p.add_argument("--beta", type=positive, default=0.1,
                        help="the DPO loss's beta (default 0.1): larger stays nearer the reference")
+
+
+def _add_train_args(p: argparse.ArgumentParser, stage: str) -> None:
+    default = {"lora": "sft"}.get(stage, stage)
+    p.add_argument("--data", default=None,
+                   help=f"jsonl file (default: data/{default}.jsonl); MiniMind's own files work")
+    p.add_argument("--out", required=True,
+                   help="run directory to write (config.json, model.pth, tokenizer/, metrics.csv, "
+                        "last.pt)")
+    p.add_argument("--profile", default=None,
+                   help="sizes from this profile: smoke, workshop, cpu, gpu (default: "
+                        "MINIMIND_PROFILE or auto)")
+    _add_stage_args(p, stage)
     p.add_argument("--max-tokens", type=POSITIVE,
                    help="padded tokens per micro-batch (default: the profile's)")
     p.add_argument("--accum", dest="accum_steps", type=POSITIVE,
@@ -300,6 +305,28 @@ def add_subcommands(subparsers) -> None:
     c.add_argument("--device", type=device, default=None,
                    help="cuda, cuda:N, mps or cpu (default: cpu)")
     c.set_defaults(func=cmd_chat)
+    _add_export_args(subparsers)
+    m = subparsers.add_parser("compare",
+                              help="is a run healthy? its validation loss against its profile's "
+                                   "band")
+    v = subparsers.add_parser("eval",
+                              help="what did a model learn? the evaluation ladder on held-out data")
+    v.add_argument("--data", default=None,
+                   help="a {'text'} jsonl for the held-out text, or a {'conversations'} "
+                   "jsonl for the held-out conversations (default: the run's held-out data)")
+    v.add_argument("--seq-len", type=POSITIVE, default=None,
+                   help="context in tokens (default: the run's seq_len)")
+    v.add_argument("--replies", type=POSITIVE, default=100,
+                   help="greedy replies after SFT, at most (default 100)")
+    for parser, what in ((m, "a run directory (config.json, metrics.csv)"),
+                         (v, "a run directory, or a transformers directory written by export")):
+        parser.add_argument("path", help=what)
+        parser.add_argument("--json", action="store_true", help="print one JSON object")
+        parser.set_defaults(func=cmd_health)
+
+
+def _add_export_args(subparsers) -> None:
+    """The export and import-hf commands."""
     e = subparsers.add_parser(
         "export", help="write a run as a transformers model (Llama, Qwen3 or Qwen3-MoE)"
     )
@@ -319,30 +346,12 @@ def add_subcommands(subparsers) -> None:
                         "files)")
     h.add_argument("--out", required=True,
                    help="the run directory to write (config.json, model.pth, tokenizer/)")
-    for parser, what in ((e, "the files an earlier export wrote there"), (h,
-                                                                          "the run in --out (a run "
-                                                                          "of ours only)")):
+    for parser, what in ((e, "the files an earlier export wrote there"),
+                         (h, "the run in --out (a run of ours only)")):
         parser.add_argument("--overwrite", action="store_true", help=f"replace {what}")
         parser.add_argument("--allow-other-files", action="store_true",
                             help="write beside files it did not write")
         parser.set_defaults(func=cmd_export)
-    m = subparsers.add_parser("compare",
-                              help="is a run healthy? its validation loss against its profile's "
-                                   "band")
-    v = subparsers.add_parser("eval",
-                              help="what did a model learn? the evaluation ladder on held-out data")
-    v.add_argument("--data", default=None,
-                   help="a {'text'} jsonl for the held-out text, or a {'conversations'} "
-                   "jsonl for the held-out conversations (default: the run's held-out data)")
-    v.add_argument("--seq-len", type=POSITIVE, default=None,
-                   help="context in tokens (default: the run's seq_len)")
-    v.add_argument("--replies", type=POSITIVE, default=100,
-                   help="greedy replies after SFT, at most (default 100)")
-    for parser, what in ((m, "a run directory (config.json, metrics.csv)"),
-                         (v, "a run directory, or a transformers directory written by export")):
-        parser.add_argument("path", help=what)
-        parser.add_argument("--json", action="store_true", help="print one JSON object")
-        parser.set_defaults(func=cmd_health)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -63,35 +63,28 @@ def validate_record(record: Any, kind: str) -> list[str]:
     data/README.md); the names its tool calls use that the system turn's tools do not declare
     (MiniMind-3's data has such calls: kept)."""
     check_choice("kind", kind, KINDS)
-    if not isinstance(record, dict):
-        raise ValueError(f"expected a JSON object, got {type(record).__name__}")
+    require(isinstance(record, dict), f"expected a JSON object, got {type(record).__name__}")
     if kind == "dpo":
         return validate_pair(record)
-    example = (
-        '{"text": "..."}'
-        if kind == "pretrain"
-        else '{"conversations": [{"role": "user", "content": "..."}, ...]}'
-    )
-    if PAYLOAD[kind] not in record:
-        raise ValueError(f"missing key {PAYLOAD[kind]!r} ({kind} lines look like {example}); keys: "
-                         f"{sorted(record)}")
+    example = '{"conversations": [{"role": "user", "content": "..."}, ...]}'
+    if kind == "pretrain":
+        example = '{"text": "..."}'
+    require(PAYLOAD[kind] in record, f"missing key {PAYLOAD[kind]!r} ({kind} lines look like "
+            f"{example}); keys: {sorted(record)}")
     if kind == "pretrain":
         _check_text(record["text"], "key 'text'")
         return []
     conv = record["conversations"]
-    if not isinstance(conv, list) or not conv:
-        raise ValueError(f"key 'conversations' must be a non-empty list, got {conv!r:.80}")
+    require(isinstance(conv, list) and len(conv) > 0,
+            f"key 'conversations' must be a non-empty list, got {conv!r:.80}")
     pending, called = 0, []  # tool calls not yet answered by a tool turn; the names called
     for t, turn in enumerate(conv):
-        if not isinstance(turn, dict):
-            raise ValueError(f"conversations[{t}] must be an object, got {turn!r:.80}")
+        require(isinstance(turn, dict), f"conversations[{t}] must be an object, got {turn!r:.80}")
         missing = [key for key in ("role", "content") if key not in turn]
-        if missing:
-            raise ValueError(f"conversations[{t}] is missing key {missing[0]!r}; keys: "
-                             f"{sorted(turn)}")
-        if turn["role"] not in ROLES:
-            raise ValueError(f"conversations[{t}]['role'] = {turn['role']!r} is not one of "
-                             f"{list(ROLES)}")
+        require(not missing, f"conversations[{t}] is missing key {', '.join(map(repr, missing))}; "
+                f"keys: {sorted(turn)}")
+        require(turn["role"] in ROLES,
+                f"conversations[{t}]['role'] = {turn['role']!r} is not one of {list(ROLES)}")
         for key in ("tools", "functions"):
             if turn.get(key) is not None and (t or turn["role"] != "system"):
                 raise ValueError(f"conversations[{t}][{key!r}] is only allowed on the first turn, "
@@ -540,16 +533,14 @@ def tokenize_to_memmap(jsonl_path: str | os.PathLike, tokenizer, out_prefix: str
     ids), `.idx.npy` (offsets), `.mask.bin` (SFT) and `.json` (last: a finished cache); reused while
     the source (size, SHA-1), the tokenizer and the settings are unchanged."""
     reader = JsonlReader(jsonl_path, on_error=on_error, kind=kind, max_samples=max_samples)
-    if int(tokenizer.vocab_size) > MAX_UINT16_VOCAB:
-        raise ValueError(f"tokenizer vocab_size={tokenizer.vocab_size} does not fit uint16 token "
-                         "files "
-                         f"(max {MAX_UINT16_VOCAB}); this memmap format is for small vocabularies "
-                         "like MiniMind's 6400")
+    require(int(tokenizer.vocab_size) <= MAX_UINT16_VOCAB,
+            f"tokenizer vocab_size={tokenizer.vocab_size} does not fit uint16 token files (max "
+            f"{MAX_UINT16_VOCAB}); this memmap format is for small vocabularies like MiniMind's "
+            "6400")
     prefix, t0 = str(out_prefix), time.perf_counter()
     if num_workers is None:
         num_workers = default_num_workers(os.path.getsize(jsonl_path), kind)
-    else:
-        num_workers = int(num_workers)
+    num_workers = int(num_workers)
     reused = not force and memmap_is_fresh(prefix, jsonl_path, tokenizer, kind, max_samples,
                                            on_error)[0]
     if not reused:
@@ -558,8 +549,7 @@ def tokenize_to_memmap(jsonl_path: str | os.PathLike, tokenizer, out_prefix: str
         Path(prefix + ".json").unlink(missing_ok=True)
         offsets, max_id = [np.zeros(1, np.int64)], -1
         bar = tqdm(total=key["source"]["size"], unit="B", unit_scale=True,
-                   desc=f"tokenize {reader.path.name}",
-                   disable=not progress)
+                   desc=f"tokenize {reader.path.name}", disable=not progress)
         chunks = tokenize_reader(reader, tokenizer, chunk_size, num_workers)
         # atomic_open writes beside the target and renames on success: an error leaves no
         # half-written file
@@ -581,16 +571,16 @@ def tokenize_to_memmap(jsonl_path: str | os.PathLike, tokenizer, out_prefix: str
         with atomic_open(prefix + ".idx.npy") as fidx:
             np.save(fidx, offsets)
         meta = {**key, "n_samples": len(offsets) - 1, "n_tokens": int(offsets[-1]),
-                "max_token_id": max_id,
-                **reader.counts(), "seconds": round(time.perf_counter() - t0, 3),
-                "num_workers": num_workers,
+                "max_token_id": max_id, **reader.counts(),
+                "seconds": round(time.perf_counter() - t0, 3), "num_workers": num_workers,
                 "chunk_size": chunk_size, "dtype": "uint16",
                 "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         atomic_write_text(prefix + ".json", json.dumps(meta, indent=1, ensure_ascii=False))
     meta, seconds = read_memmap_meta(prefix), time.perf_counter() - t0
+    if not reused:
+        seconds = meta["seconds"]
     return MemmapInfo(prefix, kind, meta["n_samples"], meta["n_tokens"], meta["n_skipped"],
-                      meta["n_blank"], reused,
-                      seconds if reused else meta["seconds"], num_workers,
+                      meta["n_blank"], reused, seconds, num_workers,
                       meta.get("skipped_examples", []))
 
 

@@ -14,6 +14,8 @@ from typing import Callable, Iterable, Sequence
 import torch
 import torch.nn as nn
 
+from .checks import require
+
 
 def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
                 generator: torch.Generator | None = None) -> torch.Tensor:
@@ -45,26 +47,20 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_p: float = 1
 
 @torch.no_grad()
 def generate_ids(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int = 64,
-                 temperature: float = 1.0,
-                 top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
-                 use_cache: bool = True,
+                 temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
+                 seed: int | None = None, use_cache: bool = True,
                  stop_token_ids: Iterable[int] | None = None,
                  stream: Callable[[int], None] | None = None) -> torch.LongTensor:
-    """Extend input_ids (T,) or (1, T) by up to max_new_tokens; returns only the new ids, shape (1,
-    n_new).
-
-    Stops after emitting a stop token (included in the result). `stream(token_id)` is called per new
-    token. With use_cache the prompt is run once and each step feeds one token plus the KV cache;
-    without it the whole sequence is re-run every step (slower, the same tokens: tests check it).
-"""
+    """Extend input_ids (T,) or (1, T) by up to max_new_tokens; returns only the new ids, shape
+    (1, n_new). Stops after emitting a stop token (included in the result). `stream(token_id)` is
+    called per new token. With use_cache the prompt is run once and each step feeds one token plus
+    the KV cache; without it the whole sequence is re-run every step (slower, the same tokens)."""
     if input_ids.dim() == 1:
         input_ids = input_ids[None]
-    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
-        raise ValueError("generate_ids takes one sequence, (T,) or (1, T); got shape "
-                         f"{tuple(input_ids.shape)}")
-    if input_ids.shape[1] == 0:
-        raise ValueError("generate_ids needs a non-empty prompt (at least one token, e.g. the bos "
-                         "token)")
+    require(input_ids.dim() == 2 and input_ids.shape[0] == 1, "generate_ids takes one sequence, "
+            f"(T,) or (1, T); got shape {tuple(input_ids.shape)}")
+    require(input_ids.shape[1] > 0,
+            "generate_ids needs a non-empty prompt (at least one token, e.g. the bos token)")
     device = next(model.parameters()).device
     input_ids = input_ids.to(device)
     max_pos = getattr(getattr(model, "config", None), "max_position_embeddings", None)
@@ -80,9 +76,8 @@ def generate_ids(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int 
                       "positions", stacklevel=3)
         max_new_tokens = max_pos - input_ids.shape[1]
     stops = set(stop_token_ids or ())
-    if seed is None:
-        generator = None
-    else:
+    generator = None
+    if seed is not None:
         generator = torch.Generator(device=device).manual_seed(seed)
     was_training = model.training
     model.eval()

@@ -27,6 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from . import device as device_module
+from .checks import require
 from .model import MiniMindForCausalLM, chunked_lm_loss, count_parameters, lm_loss
 
 class OutOfMemory(torch.OutOfMemoryError):
@@ -218,9 +219,6 @@ def _tensors_of(obj: Any) -> Iterator[torch.Tensor]:
 _AMP_BYTES = {"off": 4, "bf16": 2, "fp16": 2}
 _OPTIMIZERS = {  # name: (fp32 states per parameter, how to make one)
     "adamw": (2, lambda ps: torch.optim.AdamW(ps, lr=1e-3)),
-    "adam": (2, lambda ps: torch.optim.Adam(ps, lr=1e-3)),
-    "sgd": (0, lambda ps: torch.optim.SGD(ps, lr=1e-3)),
-    "sgd_momentum": (1, lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9)),
 }
 
 
@@ -235,49 +233,43 @@ def _check_step_args(batch_size: int, seq_len: int, amp: str, optimizer: str,
                          f"seq_len={seq_len}, accum_steps={accum_steps}")
 
 
+# Counts (N = batch_size*seq_len tokens, C hidden, F ffn width, V vocab, P parameters, s =
+# activation bytes):
+# - params 4P (fp32 master weights) and the RoPE tables 2 * max_pos * head_dim * 4; grads 4P;
+# AdamW's exp_avg and exp_avg_sq 8P. Under autocast add 2P of low-precision
+# weight copies.
+# - activations saved for backward, per layer (read off the forward code with
+# saved_tensors_hooks): each of the two RMSNorms saves its input x and the normalised x (fp32,
+# for the gain's gradient), and the projection after it saves the norm's output (s bytes): 2 *
+# (4 + 4 + s) NC; attention saves q, the repeated k and v and its output (4NC * s; k and v are
+# N*n_kv*D each when not repeated); SwiGLU saves gate, silu(gate), up and their product (4NF *
+# s). The final norm adds (4 + 4 + s) NC. Mixture of experts (E of width F, k per token): P
+# holds all E; N*k routed rows save 4F, input and output (2C at s, 3C under autocast) and
+# index_add's fp32 copy (4C) each.
+# - the head: the logits (NV * s, when the caller holds them until backward: logits_held, as
+# notebook 03's step; the library's accumulate_step does not), cross-entropy's fp32 log-softmax
+# (4NV), and at the start of backward the gradients of the log-probs and of the logits (2 * 4NV)
+# while those still live. With loss_chunk (the chunked linear + cross-entropy,
+# model.chunked_lm_loss): one chunk's logits, fp32 (4cV, and the autocast output cV * s), the
+# gradients of the hidden states and of the head it keeps (4NC, 4VC) and the head's transient
+# (VC * (4 + s)).
+# - accumulation (accum_steps > 1, batch_size rows per micro-batch): micro-batches 2..k start
+# their backward with the gradients of the earlier ones held (4P). The peak is the larger of:
+# the start of backward (params + buffers + optimizer states of earlier steps + activations +
+# head, + grads when accumulating), and the optimizer step (params + grads + states). Ignored:
+# kernel workspaces, the allocator's rounding, transients inside backward, small bookkeeping
+# tensors (RMSNorm's rsqrt, attention's logsumexp). fp32 is checked against MemoryMeter counts
+# in tests/test_memory.py (within 1-3% for the presets); under autocast the count is rougher
+# (3-8% low at large batches: some CPU ops keep fp32 activations).
 def estimate_memory(config, batch_size: int, seq_len: int, amp: str = "off",
                     optimizer: str = "adamw",
                     accum_steps: int = 1, logits_held: bool = True, loss_chunk: int = 0) -> dict:
     """Predict the bytes of one training step (fwd + bwd + optimizer) of a MiniMind model,
-    analytically.
-
-    Counts (N = batch_size*seq_len tokens, C hidden, F ffn width, V vocab, P parameters, s =
-    activation bytes):
-    - params 4P (fp32 master weights) and the RoPE tables 2 * max_pos * head_dim * 4; grads 4P;
-      AdamW's exp_avg and exp_avg_sq 8P (SGD 0, momentum 4P). Under autocast add 2P of low-precision
-      weight copies.
-    - activations saved for backward, per layer (read off the forward code with
-      saved_tensors_hooks): each of the two RMSNorms saves its input x and the normalised x (fp32,
-      for the gain's gradient), and the projection after it saves the norm's output (s bytes): 2 *
-      (4 + 4 + s) NC; attention saves q, the repeated k and v and its output (4NC * s; k and v are
-      N*n_kv*D each when not repeated); SwiGLU saves gate, silu(gate), up and their product (4NF *
-      s). The final norm adds (4 + 4 + s) NC. Mixture of experts (E of width F, k per token): P
-      holds all E; N*k routed rows save 4F, input and output (2C at s, 3C under autocast) and
-      index_add's fp32 copy (4C) each.
-    - the head: the logits (NV * s, when the caller holds them until backward: logits_held, as
-      notebook 03's step; the library's accumulate_step does not), cross-entropy's fp32 log-softmax
-      (4NV), and at the start of backward the gradients of the log-probs and of the logits (2 * 4NV)
-      while those still live. With loss_chunk (the chunked linear + cross-entropy,
-      model.chunked_lm_loss): one chunk's logits, fp32 (4cV, and the autocast output cV * s), the
-      gradients of the hidden states and of the head it keeps (4NC, 4VC) and the head's transient
-      (VC * (4 + s)).
-    - accumulation (accum_steps > 1, batch_size rows per micro-batch): micro-batches 2..k start
-      their backward with the gradients of the earlier ones held (4P). The peak is the larger of:
-      the start of backward (params + buffers + optimizer states of earlier steps + activations +
-      head, + grads when accumulating), and the optimizer step (params + grads + states). Ignored:
-      kernel workspaces, the allocator's rounding, transients inside backward, small bookkeeping
-      tensors (RMSNorm's rsqrt, attention's logsumexp). fp32 is checked against MemoryMeter counts
-      in tests/test_memory.py (within 1-3% for the presets); under autocast the count is rougher
-      (3-8% low at large batches: some CPU ops keep fp32 activations)."""
+    analytically (the counts: the comment above)."""
     _check_step_args(batch_size, seq_len, amp, optimizer, accum_steps)
     c, n, s = config, batch_size * seq_len, _AMP_BYTES[amp]
-    C, F, V, L, kv = (
-        c.hidden_size,
-        c.intermediate_size,
-        c.vocab_size,
-        c.num_hidden_layers,
-        c.num_key_value_heads * c.head_dim,
-    )
+    C, F, V, L = c.hidden_size, c.intermediate_size, c.vocab_size, c.num_hidden_layers
+    kv = c.num_key_value_heads * c.head_dim
     # MiniMind-3: q/k norm gains
     q, qk = c.num_attention_heads * c.head_dim, 2 * c.head_dim if c.qk_norm else 0
     E, k, Fe = (c.num_experts, c.num_experts_per_tok,
@@ -296,9 +288,8 @@ def estimate_memory(config, batch_size: int, seq_len: int, amp: str = "off",
     if not c.use_moe:
         ffn_saved = 4 * n * F * s
     else:
-        ffn_saved = n * k * ((4 * Fe + (2 if amp == "off" else 3) * C) * s + 4 * C) + n * (4 * E
-                                                                                           + 36 * k
-                                                                                           + 4)
+        routed_in_out = 2 if amp == "off" else 3
+        ffn_saved = n * k * ((4 * Fe + routed_in_out * C) * s + 4 * C) + n * (4 * E + 36 * k + 4)
     activations = L * (2 * norm_saved + qk_saved + (2 * n * C + kv_saved) * s
                        + ffn_saved) + norm_saved
     head = n * V * (s if logits_held else 0) + n * V * 4 + 2 * n * V * 4
@@ -342,22 +333,18 @@ def measure_step_memory(config, batch_size: int, seq_len: int, amp: str = "off",
     micro-batch's logits until its backward (False: train.accumulate_step)."""
     _check_step_args(batch_size, seq_len, amp, optimizer, accum_steps)
     # each expert's row count is data-dependent: a fake tensor has no values to route
-    if fake and config.use_moe:
-        raise ValueError("measure_step_memory(fake=True) cannot route tokens to experts (use_moe): "
-                         "measure for real")
-    # fake tensors: bytes are device-independent
-    if fake:
-        device = torch.device("cpu")
-    else:
-        device = torch.device(device)
+    require(not (fake and config.use_moe), "measure_step_memory(fake=True) cannot route tokens "
+            "to experts (use_moe): measure for real")
+    device = torch.device(device)
+    tensors = contextlib.nullcontext()
+    if fake:  # fake tensors: bytes are device-independent
+        device, tensors = torch.device("cpu"), FakeTensorMode()
     meter = MemoryMeter(device)
-    with FakeTensorMode() if fake else contextlib.nullcontext():
+    with tensors:
         torch.manual_seed(seed)
-        # fake: no .to
-        if fake:
-            model = MiniMindForCausalLM(config)
-        else:
-            model = MiniMindForCausalLM(config).to(device)
+        model = MiniMindForCausalLM(config)
+        if not fake:  # a fake model stays as made
+            model = model.to(device)
         opt = _OPTIMIZERS[optimizer][1](list(model.parameters()))
         for p in model.parameters():
             p.grad = torch.zeros_like(p)
@@ -368,9 +355,8 @@ def measure_step_memory(config, batch_size: int, seq_len: int, amp: str = "off",
         meter.reset_peak()
         with meter.track(model, opt, x):
             for _ in range(accum_steps):  # the same rows each time: only their count matters here
-                with torch.autocast(device.type, dtype=torch.float16 if amp == "fp16"
-                                    else torch.bfloat16,
-                                    enabled=amp != "off"):
+                dtype = torch.float16 if amp == "fp16" else torch.bfloat16
+                with torch.autocast(device.type, dtype=dtype, enabled=amp != "off"):
                     if loss_chunk:  # the chunked linear + cross-entropy: no logits at all
                         hidden = model.model(x)[0]
                         loss = chunked_lm_loss(hidden, model.lm_head.weight, x, loss_chunk)
@@ -381,13 +367,13 @@ def measure_step_memory(config, batch_size: int, seq_len: int, amp: str = "off",
                     loss = loss / accum_steps
                 else:
                     loss = lm_loss(logits, x) / accum_steps
-                # not held: only the graph keeps what backward needs
-                logits = logits if logits_held else None
+                if not logits_held:  # only the graph keeps what backward needs
+                    logits = None
                 loss.backward()
                 del logits, loss
             opt.step()
             opt.zero_grad(set_to_none=True)
         return {"peak_bytes": int(meter.peak()), "current_bytes": int(meter.current()),
                 "n_params": count_parameters(model)["total"], "batch_size": batch_size,
-                "seq_len": seq_len,
-                "amp": amp, "optimizer": optimizer, "device": device.type, "fake": fake}
+                "seq_len": seq_len, "amp": amp, "optimizer": optimizer, "device": device.type,
+                "fake": fake}

@@ -181,81 +181,82 @@ class NextToken:
         return forward_loss(model, batch, amp_dtype, self.loss_chunk)
 
 
+def _step_counts(objective: Any, micro_batches: Sequence[dict], n_tokens_total: int | None,
+                 device: torch.device) -> tuple[list[int], int, dict]:
+    """Each micro-batch's trained count (from the CPU's batches: no device read), the step's (under
+    DDP every rank divides by the step's global count) and the step's sizes."""
+    counts = [objective.count(mb) for mb in micro_batches]
+    if n_tokens_total is None:
+        n_tokens_total = sum(counts)
+        if world_size() > 1:
+            n_tokens_total = step_token_count(micro_batches, device)
+    stats = {"micro_batches": len(micro_batches),
+             "rows": sum(len(mb["input_ids"]) for mb in micro_batches),
+             "padded_tokens": sum(mb["input_ids"].numel() for mb in micro_batches),
+             "empty_micro_batches": 0}
+    return counts, n_tokens_total, stats
+
+
 def accumulate_step(model: nn.Module, micro_batches: Sequence[dict], *,
-                    amp_dtype: torch.dtype | None = None,
-                    scaler: torch.amp.GradScaler | None = None,
-                    device: torch.device | str | None = None,
-                    n_tokens_total: int | None = None, normalization: str = "token",
-                    sync: bool = True, loss_chunk: int = 0, objective: Any = None) -> dict:
+                    amp_dtype: torch.dtype | None = None, device: torch.device | str | None = None,
+                    scaler: torch.amp.GradScaler | None = None, n_tokens_total: int | None = None,
+                    normalization: str = "token", sync: bool = True, loss_chunk: int = 0,
+                    objective: Any = None) -> dict:
     """Forward+backward over the micro-batches of one optimizer step; gradients add up in .grad (no
     update). Returns loss_sum, n_tokens, loss (their ratio), micro_batches, rows, padded_tokens,
     empty_micro_batches (labels all -100: not run; under DDP run, adding 0, as the gradient sync
-    needs every rank's backward) and, for a MoE model, aux_loss: trained, not in `loss`. MiniMind-3
-    adds each micro-batch's aux to its mean loss, then divides by k ("naive"); here micro-batch i's
-    aux weighs n_i / N, its share of the step's trained tokens, as each of its tokens' loss does:
-    the aux keeps its ratio to the loss however a step is split (halved after an OOM, short SFT
-    rows, ranks), and the step's aux is the token-weighted mean of its micro-batches' (MiniMind-3's
-    for equal n_i). sync=False (fit's loop): loss_sum and aux_loss stay device tensors, no `loss`:
-    nothing here waits for the device. loss_chunk > 0: the head and the loss loss_chunk positions at
-    a time (forward_loss), not the whole logits. objective: what is summed and counted (default
-    NextToken(loss_chunk); notebook 10's DPO counts pairs)."""
-    if normalization not in NORMALIZATIONS:
-        raise ValueError(f"normalization={normalization!r}; choose one of {NORMALIZATIONS}")
-    if not micro_batches:
-        raise ValueError("accumulate_step got no micro-batches")
-    if device is not None:
-        device = torch.device(device)
-    else:
-        device = next(model.parameters()).device
+    needs every rank's backward) and, for a MoE model, aux_loss (trained, not in `loss`).
+    sync=False (fit's loop): loss_sum and aux_loss stay device tensors, no `loss`. loss_chunk > 0:
+    the head and the loss loss_chunk positions at a time. objective: what is summed and counted
+    (default NextToken(loss_chunk); notebook 10's DPO counts pairs)."""
+    require(normalization in NORMALIZATIONS,
+            f"normalization={normalization!r}; choose one of {NORMALIZATIONS}")
+    require(len(micro_batches) > 0, "accumulate_step got no micro-batches")
+    device = torch.device(device or next(model.parameters()).device)
     world, k = world_size(), len(micro_batches)
     objective = objective or NextToken(loss_chunk)
-    counts = [objective.count(mb) for mb in micro_batches]  # from the CPU's batches: no device read
-    if n_tokens_total is None:  # under DDP every rank divides by the step's global count
-        if world == 1:
-            n_tokens_total = sum(counts)
-        else:
-            n_tokens_total = step_token_count(micro_batches, device)
-    stats = {"micro_batches": k, "rows": sum(len(mb["input_ids"]) for mb in micro_batches),
-             "padded_tokens": sum(mb["input_ids"].numel() for mb in micro_batches),
-             "empty_micro_batches": 0}
-    # every label -100: the loss is undefined, nothing to learn; the caller skips the step
-    if n_tokens_total <= 0:
+    counts, n_tokens_total, stats = _step_counts(objective, micro_batches, n_tokens_total, device)
+    if n_tokens_total <= 0:  # every label -100: nothing to learn; the caller skips the step
         return {**stats, "loss_sum": 0.0, "n_tokens": 0, "loss": math.nan, "empty_micro_batches": k}
-    # loss_sum, weighted aux
-    sums, has_aux = torch.zeros(2, device=device, dtype=torch.float32), False
+    sums, has_aux = torch.zeros(2, device=device, dtype=torch.float32), False  # loss_sum, aux
     for i, (mb, n_i) in enumerate(zip(micro_batches, counts)):
         if world == 1 and n_i == 0:
             stats["empty_micro_batches"] += 1
             continue
         mb = _to_device(mb, device)
-        # DDP: all-reduce grads once, at the last
-        last = world == 1 or i == k - 1 or not hasattr(model, "no_sync")
-        with contextlib.nullcontext() if last else model.no_sync():
+        sync_grads = contextlib.nullcontext()  # DDP: all-reduce the grads once, at the last
+        if world > 1 and i < k - 1 and hasattr(model, "no_sync"):
+            sync_grads = model.no_sync()
+        with sync_grads:
             token_loss_sum, aux = objective.loss_sum(model, mb, amp_dtype)  # fp32
-            # exact: / the step's tokens (x world: DDP averages over the ranks)
+            # token: exact, / the step's tokens (x world: DDP averages over the ranks), a MoE aux
+            # weighed by the micro-batch's share of them; naive (MiniMind's loop): mean loss / k
             if normalization == "token":
                 loss = token_loss_sum * (world / n_tokens_total)
-            else:  # "naive", MiniMind's loop: each micro-batch's mean loss / k
+                share = n_i / n_tokens_total
+                aux_weight = share * world
+            else:
                 loss = token_loss_sum / max(n_i, 1) / k
-            # MoE: weighed by the micro-batch's share of the step's tokens (naive: 1/k)
+                share = aux_weight = 1 / k
             if aux is not None:
-                share = n_i / n_tokens_total if normalization == "token" else 1 / k
-                loss, has_aux = loss + aux * (share * world if normalization == "token"
-                                              else share), True
+                loss, has_aux = loss + aux * aux_weight, True
                 sums[1] += aux.detach().float() * share
-            (scaler.scale(loss) if scaler is not None else loss).backward()
+            if scaler is not None:
+                loss = scaler.scale(loss)
+            loss.backward()
         sums[0] += token_loss_sum.detach().float()
     if world > 1:
         sums = sums.double()
         dist.all_reduce(sums, op=dist.ReduceOp.SUM)
-    # sync=False: 0-d device tensors, unread
+    loss_sum, aux_loss = sums  # sync=False: 0-d device tensors, unread
     if sync:
         loss_sum, aux_loss = sums.tolist()
-    else:
-        loss_sum, aux_loss = sums
-    return {**stats, "loss_sum": loss_sum, "n_tokens": int(n_tokens_total),
-            **({"loss": loss_sum / n_tokens_total}
-            if sync else {}), **({"aux_loss": aux_loss} if has_aux else {})}
+    stats.update(loss_sum=loss_sum, n_tokens=int(n_tokens_total))
+    if sync:
+        stats["loss"] = loss_sum / n_tokens_total
+    if has_aux:
+        stats["aux_loss"] = aux_loss
+    return stats
 
 
 # 5. AdamW's parameter groups (04, section 5)
