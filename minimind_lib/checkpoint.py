@@ -297,10 +297,9 @@ def check_config(saved: dict, cfg: Any, path: str | Path) -> None:
 def load_training_state(path: str | Path, model: nn.Module, *,
                         optimizer: torch.optim.Optimizer | None = None,
                         scaler: torch.amp.GradScaler | None = None, controller: Any = None,
-                        cfg: Any = None,
-                        map_location: Any = "cpu", restore_rng: bool = True) -> dict:
-    """Load a training checkpoint into model, optimizer, scaler, controller and RNGs; checks it fits
-    them and cfg."""
+                        cfg: Any = None, map_location: Any = "cpu") -> dict:
+    """Load a training checkpoint into model, optimizer, scaler and controller (its RNG states
+    are returned: the caller decides whether to set them); checks it fits them and cfg."""
     state = read_training_state(path, map_location=map_location)
     check_config(state["config"], cfg, path)  # cfg=None: nothing to compare
     check_state_dict(state["model"], model, path)
@@ -314,10 +313,21 @@ def load_training_state(path: str | Path, model: nn.Module, *,
                 obj.load_state_dict(state[key])
             except (ValueError, KeyError) as e:
                 raise ValueError(f"{path}: the {key} state does not fit this {key}: {e}") from e
-    if restore_rng:
-        set_rng_state(state["rng"])
     return {"step": int(state["step"]), "data": state["data"], "rng": state["rng"],
             "extra": state.get("extra", {})}
+
+
+def applied(df: Any) -> Any:
+    """True for the metrics rows of optimizer steps that updated the weights and that no NaN
+    rollback undid (a row without the column: False)."""
+    flags = df.reindex(columns=["applied", "rolled_back"], fill_value=False)
+    flags = flags.fillna(False).astype(bool)
+    return flags["applied"] & ~flags["rolled_back"]
+
+
+def with_tokens_seen(df: Any) -> Any:
+    """The metrics with tokens_seen: the trained tokens of the steps applied so far."""
+    return df.assign(tokens_seen=df["tokens"].where(applied(df), 0).cumsum())
 
 
 # ----------------------------------------------------------------------------------- the run

@@ -21,7 +21,8 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 
-from .checkpoint import METRICS_FILE, SUMMARY_FILE, RunError, load_run, read_run_config
+from .checkpoint import (METRICS_FILE, SUMMARY_FILE, RunError, applied, load_run, read_run_config,
+                         with_tokens_seen)
 from .checks import require
 from .corpus import PAYLOAD, JsonlReader, tokenize_samples
 from .data import holdout_indices, pad_collate
@@ -29,7 +30,6 @@ from .export import WEIGHTS_FILE, read_hf
 from .fileio import file_fingerprint
 from .generate import chat_reply
 from .paths import ASSETS_DIR, DATA_DIR, find_data_file
-from .pipeline import applied
 from .profiles import get_profile
 from .tokenizer import load_tokenizer
 
@@ -110,7 +110,7 @@ def read_metrics(run_dir: str | Path) -> pd.DataFrame:
                 f"{df[column].get(first)!r}, not a number (a hand-edited cell?), so no verdict",
                 RunError)
         df[column] = values
-    return df.assign(tokens_seen=df["tokens"].where(applied(df), 0).cumsum())
+    return with_tokens_seen(df)
 
 
 def check_rows(path: Path, n_columns: int) -> None:
@@ -129,12 +129,10 @@ def check_rows(path: Path, n_columns: int) -> None:
 def validation_points(df: pd.DataFrame) -> pd.DataFrame:
     """The validation losses a run kept (not those of steps a NaN rollback undid), with their
     trained tokens."""
-    if "rolled_back" in df:
-        kept = ~(df["rolled_back"].fillna(False).astype(bool))
-    else:
-        kept = True
-    return df[df["val_loss"].notna() & kept][["step", "tokens_seen",
-                                              "val_loss"]].reset_index(drop=True)
+    kept = ~df.reindex(columns=["rolled_back"], fill_value=False)["rolled_back"]
+    kept = kept.fillna(False).astype(bool)
+    points = df[df["val_loss"].notna() & kept]
+    return points[["step", "tokens_seen", "val_loss"]].reset_index(drop=True)
 
 
 def final_gap(df: pd.DataFrame, window: int) -> float:

@@ -34,8 +34,8 @@ import torch
 from . import distributed as D
 from .checkpoint import (LORA_FILE, METRICS_FILE, MODEL_FILE, RUN_FORMAT, RUN_VERSION, SAMPLES_FILE,
                          STATE_FILE, SUMMARY_FILE, RunError, check_out_dir, check_resume,
-                         check_target, load_run, read_run_config, save_checkpoint, start_run_dir,
-                         stop_on_signals)
+                         applied, check_target, load_run, read_run_config, save_checkpoint,
+                         start_run_dir, stop_on_signals, with_tokens_seen)
 from .checks import require
 from .corpus import tokenizer_fingerprint
 from .data import LONG_DOCS_BY_KIND, holdout_split, memmap_dataset  # noqa: F401 (notebook 08's)
@@ -302,7 +302,7 @@ class Recorder:
         else:
             df = self.prior.copy()
         if len(df):
-            df["tokens_seen"] = df["tokens"].where(applied(df), 0).cumsum()
+            df = with_tokens_seen(df)
         return df
 
     def checkpoint_extra(self) -> dict:
@@ -348,15 +348,6 @@ class Recorder:
             self.sample(done)
         stop = self.interrupted or (self.s.stop_after is not None and done >= self.s.stop_after)
         return "stop" if stop else None
-
-
-def applied(df: pd.DataFrame) -> pd.Series:
-    """True for the metrics rows of optimizer steps that updated the weights and that no NaN
-    rollback undid."""
-    flag = lambda name: (
-        df[name].fillna(False).astype(bool) if name in df else pd.Series(False, index=df.index)
-    )
-    return flag("applied") & ~flag("rolled_back")
 
 
 def eval_before_training(model: Any, val: list, device: torch.device, amp_dtype: Any,

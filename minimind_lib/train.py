@@ -388,7 +388,7 @@ class _Run:
         rollback does not)."""
         info = load_training_state(path, self.model, optimizer=self.optimizer, scaler=self.scaler,
                                    controller=self.controller, cfg=self.cfg if resume else None,
-                                   map_location=self.device, restore_rng=False)
+                                   map_location=self.device)
         self.step = info["step"]
         if resume:
             self.lr_scale, self.bad_steps = info["extra"].get("lr_scale",
