@@ -239,26 +239,23 @@ def nonfinite_parameters(model: nn.Module) -> list[str]:
 
 
 def save_training_state(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, *,
-                        cfg: Any,
-                        step: int, scaler: torch.amp.GradScaler | None = None,
-                        data_state: dict | None = None,
-                        controller: Any = None, extra: dict | None = None) -> Path:
+                        cfg: Any, step: int, scaler: torch.amp.GradScaler | None = None,
+                        data_state: dict | None = None, controller: Any = None,
+                        extra: dict | None = None) -> Path:
     """Write a resumable training checkpoint to `path` atomically; refuses non-finite weights."""
     bad = nonfinite_parameters(model)
-    if bad:
-        raise ValueError(f"refusing to write {path}: parameter {bad[0]!r} (and {len(bad) - 1} "
-                         "more) holds NaN/inf")
-    return save_checkpoint({"format": FORMAT, "version": VERSION, "model": model.state_dict(),
-                            "optimizer": optimizer.state_dict(), "scaler": None if scaler is None
-                            else scaler.state_dict(),
-                            "step": int(step), "data": dict(data_state or {"epoch": 0,
-                                                                           "offset": 0}),
-                            "controller": controller.state_dict() if hasattr(controller,
-                                                                             "state_dict")
-                            else None,
-                            "rng": get_rng_state(), "config": cfg.to_dict(), "extra": dict(extra
-                                                                                           or {})},
-                           path)
+    first = bad[0] if bad else None
+    require(not bad, f"refusing to write {path}: parameter {first!r} (and {len(bad) - 1} more) "
+            "holds NaN/inf")
+    state = {"format": FORMAT, "version": VERSION, "model": model.state_dict(),
+             "optimizer": optimizer.state_dict(), "scaler": None, "step": int(step),
+             "data": dict(data_state or {"epoch": 0, "offset": 0}), "controller": None,
+             "rng": get_rng_state(), "config": cfg.to_dict(), "extra": dict(extra or {})}
+    if scaler is not None:
+        state["scaler"] = scaler.state_dict()
+    if hasattr(controller, "state_dict"):
+        state["controller"] = controller.state_dict()
+    return save_checkpoint(state, path)
 
 
 def read_training_state(path: str | Path, map_location: Any = "cpu") -> dict:
@@ -274,10 +271,7 @@ def read_training_state(path: str | Path, map_location: Any = "cpu") -> dict:
                          "load_checkpoint")
     missing = [key for key in ("model", "optimizer", "step", "data", "rng", "config")
                if key not in state]
-    if missing or state.get("version") != VERSION:
-        raise ValueError(f"{path}: unsupported training checkpoint (version "
-                         f"{state.get('version')!r}, expected "
-                         f"{VERSION}; missing keys: {missing})")
+    require(not missing, f"{path}: an incomplete training checkpoint; missing keys: {missing}")
     return state
 
 
