@@ -13,6 +13,7 @@ from torch.nn.attention import flex_attention  # the module: tests stand in for 
 from torch.nn.attention.flex_attention import BlockMask
 from torch.utils.data import Dataset, Sampler
 
+from .checks import require
 from .data import IGNORE_INDEX, pad_collate, round_up
 from .device import empty_cache
 
@@ -591,11 +592,10 @@ class TokenBudgetSteps:
     fit(controller=...)."""
     def __init__(self, dataset: Sequence, sampler: TokenBudgetBatchSampler,
                  accum_steps: int) -> None:
-        if int(accum_steps) < 1 or len(sampler.raw_lengths) != len(dataset):
-            raise ValueError(f"TokenBudgetSteps needs accum_steps >= 1 (got {accum_steps}) and a "
-                             "sampler built from "
-                             f"this dataset's lengths (it has {len(sampler.raw_lengths)}, the "
-                             f"dataset {len(dataset)})")
+        require(int(accum_steps) >= 1, f"accum_steps must be >= 1, got {accum_steps}")
+        require(len(sampler.raw_lengths) == len(dataset), "TokenBudgetSteps needs a sampler built "
+                f"from this dataset's lengths (it has {len(sampler.raw_lengths)}, the dataset "
+                f"{len(dataset)})")
         self.dataset, self.batch_sampler, self.accum_steps = dataset, sampler, int(accum_steps)
 
     def set_epoch(self, epoch: int) -> None:

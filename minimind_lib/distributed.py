@@ -14,7 +14,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from .batching import TokenBudgetBatchSampler
+from .batching import TokenBudgetBatchSampler, TokenBudgetSteps
+from .checks import require
 from .data import IGNORE_INDEX, pad_collate, trained_tokens
 from .device import get_device
 from .memory import MemoryMeter
@@ -113,36 +114,26 @@ def assign_to_ranks(costs: Sequence[float], n_ranks: int) -> list[list[int]]:
     return [sorted(o) for o in owned]
 
 
-class DistributedTokenBudgetSampler:
-    """Global steps of `accum_steps` token-budget micro-batches, each dealt to the ranks: yields
-    this rank's share per step (index lists or `dataset` samples, maybe none); all ranks yield as
-    many steps, each sample on one rank."""
+class DistributedTokenBudgetSampler(TokenBudgetSteps):
+    """Global steps of `accum_steps` token-budget micro-batches (TokenBudgetSteps of indices), each
+    dealt to the ranks: yields this rank's share per step (index lists or `dataset` samples, maybe
+    none); all ranks yield as many steps, each sample on one rank."""
     def __init__(self, lengths: Sequence[int] | np.ndarray, max_tokens: int, accum_steps: int, *,
                  num_replicas: int = 1, rank: int = 0, seed: int = 0, seq_len: int | None = None,
                  dataset: Sequence | None = None, **sampler_kwargs: Any) -> None:
-        if int(accum_steps) < 1:
-            raise ValueError(f"accum_steps must be >= 1, got {accum_steps}")
-        if not 0 <= int(rank) < int(num_replicas):
-            raise ValueError(f"rank={rank} is outside 0..{int(num_replicas) - 1} "
-                             f"(num_replicas={num_replicas})")
-        self.accum_steps, self.num_replicas, self.rank, self.epoch = (
-            int(accum_steps),
-            int(num_replicas),
-            int(rank),
-            0,
-        )
-        # the steps do not depend on the number of ranks: one token-budget sampler, the same seed on
-        # every rank
-        self.base = TokenBudgetBatchSampler(lengths, max_tokens, seed=seed, seq_len=seq_len,
-                                            **sampler_kwargs)
-        self.dataset = dataset
+        require(0 <= int(rank) < int(num_replicas),
+                f"rank={rank} is outside 0..{int(num_replicas) - 1} (num_replicas={num_replicas})")
+        # the steps do not depend on the number of ranks: one sampler, the same seed on every rank
+        base = TokenBudgetBatchSampler(lengths, max_tokens, seed=seed, seq_len=seq_len,
+                                       **sampler_kwargs)
+        super().__init__(range(len(base.raw_lengths)), base, accum_steps)
+        self.base, self.samples = base, dataset
+        self.num_replicas, self.rank = int(num_replicas), int(rank)
 
-    def global_steps(self, epoch: int | None = None) -> list[list[list[int]]]:
-        """The epoch's optimizer steps, each a list of micro-batches, as one process would run them.
-        """
-        batches, k = self.base.batches(self.epoch if epoch is None
-                                       else int(epoch)), self.accum_steps
-        return [batches[i:i + k] for i in range(0, len(batches), k)]
+    def global_steps(self) -> list[list[list[int]]]:
+        """The epoch's optimizer steps, each a list of micro-batches, as one process would run
+        them."""
+        return list(super().__iter__())
 
     def split_step(self, step: Sequence[Sequence[int]]) -> list[list[int]]:
         """This rank's micro-batches of one global step, balanced by padded tokens (rows x longest
@@ -150,18 +141,12 @@ class DistributedTokenBudgetSampler:
         costs = [len(b) * int(self.base.lengths[list(b)].max()) for b in step]
         return [list(step[i]) for i in assign_to_ranks(costs, self.num_replicas)[self.rank]]
 
-    def set_epoch(self, epoch: int) -> None:
-        """Select the epoch the next iteration serves (train.DataStream calls it at each epoch
-        start)."""
-        self.epoch = int(epoch)
-
     def __iter__(self) -> Iterator[list[list[Any]]]:
         for step in self.global_steps():
             share = self.split_step(step)
-            yield share if self.dataset is None else [[self.dataset[i] for i in mb] for mb in share]
-
-    def __len__(self) -> int:
-        return -(-len(self.base.batches(self.epoch)) // self.accum_steps)
+            if self.samples is not None:
+                share = [[self.samples[i] for i in mb] for mb in share]
+            yield share
 
 
 def distributed_step_source(dataset: Sequence, max_tokens: int, accum_steps: int, *,
