@@ -126,9 +126,10 @@ def optimizer_step(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tens
         scaler.step(optimizer)  # skipped inside when the gradients hold inf/NaN
         # halves the scale after an overflow, doubles it after growth_interval good steps
         scaler.update()
-    # found_inf = 1: the kernel leaves weights and states as they are
     elif optimizer.defaults.get("fused"):
-        # (how a GradScaler skips, unsynced)
+        # The one private use: a fused AdamW's step reads optimizer.grad_scale and .found_inf, the
+        # attributes GradScaler.step sets on it; found_inf = 1 makes the kernel leave weights and
+        # states as they are, so a NaN step is skipped on the device, with no host sync.
         optimizer.grad_scale, optimizer.found_inf = None, (~finite).float()
         optimizer.step()
         del optimizer.grad_scale, optimizer.found_inf
@@ -427,12 +428,11 @@ class _Run:
         params = [p for p in self.model.parameters() if p.requires_grad]
         grad_norm, finite = optimizer_step(self.optimizer, params, self.cfg.grad_clip, self.scaler,
                                            loss_sum)
-        # unread
-        return (
-            grad_norm,
-            finite,
-            math.nan if self.scaler is None else self.scaler._get_scale_async().clone(),
-        )
+        if self.scaler is None:
+            return grad_norm, finite, math.nan
+        # a private use: get_scale() would read the scale to the host (a sync every step);
+        # _get_scale_async is the device tensor it reads, kept unread here until a log step
+        return grad_norm, finite, self.scaler._get_scale_async().clone()
 
     def train_step(self) -> dict | None:
         """One optimizer step (its pieces above); its metrics row, the device's values still unread
