@@ -81,8 +81,10 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         self.truncated_indices = np.flatnonzero(self.raw_lengths > self.longest_row).tolist()
         # as batched: the collate cuts longer ones
         self.lengths = np.minimum(self.raw_lengths, self.longest_row)
-        rows = max(1, self.max_tokens // max(1, int(np.median(self.lengths)) if lengths.size
-                                             else 1))
+        median = 1
+        if lengths.size:
+            median = max(1, int(np.median(self.lengths)))
+        rows = max(1, self.max_tokens // median)
         # samples of ~mult batches
         self.megabatch_size = self.megabatch_mult * min(rows, max_batch_size or rows)
 
@@ -106,8 +108,9 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
                 size = max(1, len(order))
             out = [b for mega in sort_megabatches(order, self.lengths, size)
                    for b in fill_batches(mega, self.lengths, self.max_tokens, self.max_batch_size)]
-            self._cache = (epoch, [out[i] for i in rng.permutation(len(out))] if self.shuffle
-                           else out)
+            if self.shuffle:
+                out = [out[i] for i in rng.permutation(len(out))]
+            self._cache = (epoch, out)
         return self._cache[1]
 
     def set_epoch(self, epoch: int) -> None:
@@ -395,6 +398,20 @@ class BatchEvent:
         return f"{self.kind}({', '.join(f'{k} {v}' for k, v in sizes.items() if v is not None)})"
 
 
+def _cut(value: Any, seq_len: int) -> Any:
+    """A sample's 1-D tensor cut to seq_len; anything else as it is."""
+    if torch.is_tensor(value) and value.dim() == 1:
+        return value[:seq_len]
+    return value
+
+
+def _pinned(value: Any) -> Any:
+    """A tensor in page-locked memory (the loop's non_blocking copies overlap GPU work)."""
+    if torch.is_tensor(value):
+        return value.pin_memory()
+    return value
+
+
 class AdaptiveBatchController:
     """Splits each step into micro-batches of micro_batch_size rows and/or max_tokens (rows x
     longest row), resized every check_every steps by memory_check (step peaks, _peak, vs
@@ -456,12 +473,14 @@ class AdaptiveBatchController:
     def _collate(self, samples: list) -> Any:
         """collate_fn of the samples cut to seq_len (collate_fn may be any callable: the controller
         cuts them)."""
-        cut = lambda s: {k: v[:self.seq_len] if torch.is_tensor(v) and v.dim() == 1 else v for k,
-                         v in s.items()}
-        batch = self.collate_fn([s if row_length(s, self.seq_len) == len(s["input_ids"])
-                                 else cut(s) for s in samples])
+        rows = []
+        for s in samples:
+            if row_length(s, self.seq_len) != len(s["input_ids"]):
+                s = {k: _cut(v, self.seq_len) for k, v in s.items()}
+            rows.append(s)
+        batch = self.collate_fn(rows)
         if self.pin_memory:
-            return {k: v.pin_memory() if torch.is_tensor(v) else v for k, v in batch.items()}
+            batch = {k: _pinned(v) for k, v in batch.items()}
         return batch
 
     def _peak(self) -> int:
@@ -498,7 +517,8 @@ class AdaptiveBatchController:
         self.samples_seen, self.step = self.samples_seen + n, self.step + 1
         used = {"micro_batch_size": self.micro_batch_size, "max_tokens": self.max_tokens,
                 "seq_len": self.seq_len}
-        self._window_peak = max(self._window_peak, 0 if self.meter is None else self._peak())
+        if self.meter is not None:
+            self._window_peak = max(self._window_peak, self._peak())
         # read live: the budget may change during a run
         budget = getattr(self.meter, "budget_bytes", None)
         # sizes of the next step by memory_check
@@ -528,12 +548,13 @@ class AdaptiveBatchController:
         returns halvings."""
         target = zero_grad if zero_grad is not None else self.zero_grad
         # the retry would add to the failed attempt's partial gradients: refuse, loudly
-        if target is None:
-            raise RuntimeError("AdaptiveBatchController caught an out-of-memory error but has no "
-                               "zero_grad to clear "
-                               "the failed attempt's partial gradients: pass zero_grad=model (or a "
-                               "callable)")
-        target.zero_grad(set_to_none=True) if hasattr(target, "zero_grad") else target()
+        require(target is not None, "AdaptiveBatchController caught an out-of-memory error but has "
+                "no zero_grad to clear the failed attempt's partial gradients: pass "
+                "zero_grad=model (or a callable)", RuntimeError)
+        if hasattr(target, "zero_grad"):
+            target.zero_grad(set_to_none=True)
+        else:
+            target()
         gc.collect()
         empty_cache(getattr(self.meter, "device", None))  # the cached blocks back (CUDA, MPS)
         self.oom_count += 1

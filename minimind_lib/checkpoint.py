@@ -70,8 +70,7 @@ def _clean_state_dict(state: dict, path) -> dict:
             if n:
                 warnings.warn(f"{path}: stripped prefix {prefix!r} from {n} keys (DDP / "
                               "torch.compile)", stacklevel=3)
-                state = {(k[len(prefix):] if k.startswith(prefix) else k): v for k,
-                         v in state.items()}
+                state = {k.removeprefix(prefix): v for k, v in state.items()}
     dropped = [k for k in state if k in _ROTARY_KEYS]
     if dropped:
         warnings.warn(f"{path}: ignored rotary tables {dropped} (recomputed from the config)",
@@ -529,7 +528,9 @@ def load_run(run_dir: str | Path, device: torch.device | str | None = None):
         merge_lora(model)
     else:  # weights_only=True; names the file when corrupt or mismatched
         load_checkpoint(run_dir / MODEL_FILE, model)
-    return (model if device is None else model.to(device)).eval(), tok, cfg
+    if device is not None:
+        model = model.to(device)
+    return model.eval(), tok, cfg
 
 
 def start_run_dir(out: Path, run_cfg: dict, tok: Any, resume: bool,
@@ -541,7 +542,10 @@ def start_run_dir(out: Path, run_cfg: dict, tok: Any, resume: bool,
     with contextlib.suppress(FileNotFoundError, RunError):
         read_run_config(out)  # what an interrupted write of ours left there
         for stale in out.glob(TMP_PREFIX + "*"):
-            shutil.rmtree(stale) if stale.is_dir() else stale.unlink()
+            if stale.is_dir():
+                shutil.rmtree(stale)
+            else:
+                stale.unlink()
     if not resume:  # --overwrite: a stale last.pt or metrics.csv must not survive into the new run
         for name in set(RUN_FILES) - set(keep):
             (out / name).unlink(missing_ok=True)

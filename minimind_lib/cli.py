@@ -237,10 +237,11 @@ def cmd_chat(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     """`export`: a run directory to the transformers format; `import-hf`: such a directory to a run
     directory."""
-    print(export_run(args.run_dir, args.to, args.dtype, args.overwrite, args.allow_other_files,
-                     args.adapter)
-          if args.command == "export" else import_hf(args.hf_dir, args.out, args.overwrite,
-                                                     args.allow_other_files))
+    if args.command == "export":
+        print(export_run(args.run_dir, args.to, args.dtype, args.overwrite,
+                         args.allow_other_files, args.adapter))
+    else:
+        print(import_hf(args.hf_dir, args.out, args.overwrite, args.allow_other_files))
     return 0
 
 

@@ -162,7 +162,9 @@ def _parse_line(raw: bytes, kind: str | None) -> tuple[Any, list[str]]:
     except json.JSONDecodeError as e:
         raise ValueError(f"malformed JSON ({e.msg} at column {e.colno}): "
                          f"{raw.decode('utf-8', 'replace')[:80]!r}") from None
-    return record, validate_record(record, kind) if kind is not None else []
+    if kind is None:
+        return record, []
+    return record, validate_record(record, kind)
 
 
 class JsonlReader:
@@ -318,14 +320,13 @@ def tools_of(conv: list[dict]) -> list:
 
 def encode_sft(tokenizer, conversations: list[dict]) -> tuple[np.ndarray, np.ndarray]:
     """An SFT sample: the chat template's ids (int64) and assistant mask (uint8), untruncated."""
-    messages = [
-        {
-            k: json_field(t[k], k) if k == "tool_calls" else t[k]
-            for k in ("role", "content", "reasoning_content", "tool_calls")
-            if k in t and (k == "content" or t[k] is not None)
-        }
-        for t in conversations
-    ]
+    messages = []
+    for t in conversations:
+        keys = ("role", "content", "reasoning_content", "tool_calls")
+        message = {k: t[k] for k in keys if k in t and (k == "content" or t[k] is not None)}
+        if "tool_calls" in message:
+            message["tool_calls"] = json_field(message["tool_calls"], "tool_calls")
+        messages.append(message)
     tools = tools_of(conversations) or None
     # tokenize=True: the template's structure comes from ids, so "<|im_end|>" typed inside content
     # stays text
@@ -381,7 +382,13 @@ def encode_texts(tok: Any, texts: list[str]) -> list:
         return [tok.encode(text, add_special_tokens=False) for text in texts]
     long = {i for i, text in enumerate(texts) if len(text) > PIECE_CHARS}
     short = iter(tok.encode_batch([text for i, text in enumerate(texts) if i not in long]))
-    return [encode_long(tok, text) if i in long else next(short) for i, text in enumerate(texts)]
+    ids = []
+    for i, text in enumerate(texts):
+        if i in long:
+            ids.append(encode_long(tok, text))
+        else:
+            ids.append(next(short))
+    return ids
 
 
 def encode_long(tok: Any, text: str, group: int = 4) -> np.ndarray:
@@ -458,7 +465,9 @@ def tokenizer_fingerprint(tokenizer) -> str:
                                                                       "backend_tokenizer",
                                                                       "_tokenizer", "hf")]
     backend = next((c for c in candidates if hasattr(c, "to_str")), None)
-    h = hashlib.sha256(backend.to_str().encode() if backend is not None else b"")
+    h = hashlib.sha256()
+    if backend is not None:
+        h.update(backend.to_str().encode())
     h.update(
         json.dumps(
             [
@@ -516,8 +525,9 @@ def default_num_workers(n_bytes: int, kind: str = "pretrain", cores: int | None 
     """Tokenizer processes (notebook 02): none for pretraining text (the Rust encoder already uses
     the cores); for SFT (Python template and mask) one per core, at most 8, from 2 cores and 256
     KiB, where processes fork (as measured)."""
-    n = cores or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                  else (os.cpu_count() or 1))
+    n = cores or os.cpu_count() or 1
+    if not cores and hasattr(os, "sched_getaffinity"):
+        n = len(os.sched_getaffinity(0))
     fork = multiprocessing.get_start_method() == "fork"
     if kind != "pretrain" and n >= 2 and n_bytes >= 2**18 and fork:
         return min(n, 8)
@@ -553,9 +563,10 @@ def tokenize_to_memmap(jsonl_path: str | os.PathLike, tokenizer, out_prefix: str
         chunks = tokenize_reader(reader, tokenizer, chunk_size, num_workers)
         # atomic_open writes beside the target and renames on success: an error leaves no
         # half-written file
-        with bar, contextlib.closing(chunks), atomic_open(prefix + ".bin") as fbin, \
-                (atomic_open(prefix + ".mask.bin") if kind != "pretrain"
-                 else contextlib.nullcontext()) as fmask:
+        masks = contextlib.nullcontext()
+        if kind != "pretrain":
+            masks = atomic_open(prefix + ".mask.bin")
+        with bar, contextlib.closing(chunks), atomic_open(prefix + ".bin") as fbin, masks as fmask:
             for ids, lengths, mask in chunks:
                 max_id = max(max_id, int(ids.max(initial=-1)))
                 if max_id > MAX_UINT16_VOCAB:

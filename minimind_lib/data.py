@@ -232,7 +232,9 @@ class _TokenDataset(Dataset):
     def lengths(self) -> np.ndarray:
         """Per-sample token lengths after truncation or chunking (what token-budget batching needs).
         """
-        raw, rows = self.raw_lengths(), (self._row_index() if self.long_docs == "chunk" else None)
+        raw, rows = self.raw_lengths(), None
+        if self.long_docs == "chunk":
+            rows = self._row_index()
         return np.minimum(raw if rows is None else raw[rows[:, 0]] - rows[:, 1], self.seq_len)
 
     @functools.cached_property
@@ -245,11 +247,10 @@ class _TokenDataset(Dataset):
             n_tokens = int(self.lengths.sum())
         else:
             n_tokens = int(np.minimum(raw, self.seq_len).sum())
+        n_over, over_tokens = int(over.sum()), int((raw[over] - self.seq_len).sum())
         stats = DataStats(n_samples=len(self), n_documents=len(raw), n_tokens=n_tokens,
-                          n_truncated=0 if chunk else int(over.sum()), n_chunked=int(over.sum())
-                          if chunk else 0,
-                          truncated_tokens=0 if chunk else int((raw[over] - self.seq_len).sum()),
-                          **self.read_counts)
+                          n_truncated=0 if chunk else n_over, n_chunked=n_over if chunk else 0,
+                          truncated_tokens=0 if chunk else over_tokens, **self.read_counts)
         if self.kind != "pretrain":
             stats.n_trained_tokens = int(self.trained_counts.sum())
             stats.n_no_target = int((self.trained_counts == 0).sum())
@@ -365,7 +366,9 @@ def padding_fraction(batch_lengths: Iterable[Sequence[int]], seq_len: int | None
     longest row."""
     batch_lengths = [list(b) for b in batch_lengths if len(b)]
     real = sum(sum(b) for b in batch_lengths)
-    padded = sum(len(b) * (seq_len if seq_len is not None else max(b)) for b in batch_lengths)
+    padded = 0
+    for b in batch_lengths:
+        padded += len(b) * (seq_len or max(b))
     return 1.0 - real / padded if padded else 0.0
 
 

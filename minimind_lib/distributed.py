@@ -44,7 +44,8 @@ def env_ranks(env: dict | None = None) -> tuple[int, int, int]:
     if bad:
         raise ValueError(f"environment variable {bad[0]}={env[bad[0]]!r} is not an integer "
                          "(torchrun sets it)")
-    rank, world, local = (int(env[name]) if env.get(name) else None for name in names)
+    found = {name: int(env[name]) for name in names if env.get(name)}
+    rank, world, local = (found.get(name) for name in names)
     if world is None and rank not in (None, 0):
         raise ValueError(f"RANK={rank} is set but WORLD_SIZE is not: launch with torchrun "
                          "--nproc_per_node=N")
@@ -64,7 +65,7 @@ def setup(backend: str | None = None, device: torch.device | str | None = None,
     without torchrun."""
     rank, world, local = env_ranks()
     if world == 1:
-        return DistInfo(device=torch.device(device) if device is not None else get_device())
+        return DistInfo(device=torch.device(device or get_device()))
     missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name)]
     if missing:
         raise ValueError(f"WORLD_SIZE={world} but {missing[0]} is not set: launch with torchrun, "

@@ -48,13 +48,17 @@ def comparable(cfg: dict) -> dict:
     held_out = cfg["stage"] != "pretrain" and not cfg.get("val_data")  # 5% of the training file
     # notebooks 07/08 record the file, the CLI its fingerprint too
     path = cfg.get("data" if held_out else "val_data")
+    fingerprint = cfg.get("data_fingerprint" if held_out else "val_data_fingerprint")
+    if not fingerprint and path and Path(path).is_file():
+        fingerprint = file_fingerprint(path)
+    extra = {}
+    if held_out:
+        extra["max_samples"] = cfg.get("max_samples")
     return {"stage": cfg["stage"], "model": cfg["model"],
             "tokenizer": cfg["tokenizer"]["fingerprint"],
             "seq_len": cfg.get("seq_len"), "max_tokens": cfg.get("max_tokens"),
             "val_batches": cfg.get("val_batches"),
-            "validation data": cfg.get("data_fingerprint" if held_out else "val_data_fingerprint")
-            or (file_fingerprint(path) if path and Path(path).is_file() else None),
-            **({"max_samples": cfg.get("max_samples")} if held_out else {})}
+            "validation data": fingerprint or None, **extra}
 
 
 def load_band(cfg: dict) -> tuple[dict, dict]:
@@ -152,8 +156,10 @@ def grad_spikes(df: pd.DataFrame, warmup: int) -> dict:
         median = math.nan
     spikes = [(int(s), float(n), n / median) for s, n in zip(g["step"], g["grad_norm"])
               if n > SPIKE_FACTOR * median]
-    return {"median": median, "max_over_median": float(g["grad_norm"].max() / median) if len(g)
-            else math.nan,
+    largest = math.nan
+    if len(g):
+        largest = float(g["grad_norm"].max() / median)
+    return {"median": median, "max_over_median": largest,
             "spikes": spikes}
 
 
@@ -405,11 +411,11 @@ def text_ladder(model: torch.nn.Module, tok: Any, docs: list[dict], seq_len: int
                                                                             seq_len - 1)]
     doc_of = np.repeat([k for k, _ in rows], [len(r) - 1 for _, r in rows])
     prev, nxt = np.concatenate([r[:-1] for _, r in rows]), np.concatenate([r[1:] for _, r in rows])
-    scorers = {"model": tuple(map(np.concatenate, zip(*token_scores(model, [r for _,
-                                                                            r in rows])))),
-               **(ngram_scores(
-        tokenize_samples("pretrain", train_texts,
-                         tok)[0], prev, nxt, model.config.vocab_size) if train_texts else {})}
+    model_scores = token_scores(model, [r for _, r in rows])  # per window: (nll, top-k hits)
+    scorers = {"model": tuple(map(np.concatenate, zip(*model_scores)))}
+    if train_texts:  # the unigram and bigram baselines, counted on the training text
+        train_ids = tokenize_samples("pretrain", train_texts, tok)[0]
+        scorers.update(ngram_scores(train_ids, prev, nxt, model.config.vocab_size))
     n_bytes, langs = np.array([len(d["text"].encode()) for d in docs]), [language(d["text"])
                                                                          for d in docs]
     groups = {"all": np.ones(len(docs), bool), **{f"language: {v}": np.array(langs) == v
@@ -486,12 +492,16 @@ def chat_ladder(model: torch.nn.Module, tok: Any, convs: list[list[dict]], seq_l
                                                         and language(reply) == question)
     why = (f"no assistant token within the first {seq_len} tokens of any of the {len(convs)} "
            f"conversations: a longer --seq-len")
-    missing = {} if len(nll) else {"assistant_loss_missing": why}
-    return {"conversations": len(convs), "assistant_tokens": len(nll),
-            "assistant_loss": round(float(nll.mean()), 4) if len(nll) else None, **missing,
-            "reply_budget": reply_tokens, **({"ended_with_im_end": share(ended, len(asked)),
-                                              "same_language": share(same, len(asked))} if asked
-                                             else {})}
+    out = {"conversations": len(convs), "assistant_tokens": len(nll), "assistant_loss": None}
+    if len(nll):
+        out["assistant_loss"] = round(float(nll.mean()), 4)
+    else:
+        out["assistant_loss_missing"] = why
+    out["reply_budget"] = reply_tokens
+    if asked:
+        out["ended_with_im_end"] = share(ended, len(asked))
+        out["same_language"] = share(same, len(asked))
+    return out
 
 
 def _records(path: str | Path, kind: str, max_samples: int | None = None) -> list[dict]:

@@ -240,8 +240,10 @@ def read_hf(hf_dir: str | Path) -> tuple[MiniMindForCausalLM, Any]:
     tok = load_tokenizer(hf_dir)
     check_vocab(tok, mcfg.vocab_size)  # the message names the tokenizer's directory
     try:
-        state = {k: v.float() if v.is_floating_point() else v for k,
-                 v in load_file(hf_dir / WEIGHTS_FILE).items()}
+        state = load_file(hf_dir / WEIGHTS_FILE)
+        for k, v in state.items():
+            if v.is_floating_point():
+                state[k] = v.float()
     except (SafetensorError, OSError) as e:
         raise RunError(
             f"{hf_dir / WEIGHTS_FILE}: cannot read the weights ({type(e).__name__}: {e})"

@@ -52,7 +52,7 @@ class _LiveBytes(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         meter, before = self.meter, self.meter._current
         # most ops output one tensor
-        for t in (out,) if isinstance(out, torch.Tensor) else tree_flatten(out)[0]:
+        for t in tree_flatten(out)[0]:  # a tensor is a tree of one leaf
             if isinstance(t, torch.Tensor):
                 meter._add(t)
         if meter._current > before:
@@ -195,9 +195,11 @@ class MemoryMeter:
         return max(total - free - torch.cuda.memory_reserved(self.device), 0)
 
     def __repr__(self) -> str:
+        budget = None
+        if self.budget_bytes is not None:
+            budget = _fmt(self.budget_bytes)
         return (f"MemoryMeter(device={self.device}, current={_fmt(self.current())}, "
-                f"peak={_fmt(self.peak())}, "
-                f"budget={None if self.budget_bytes is None else _fmt(self.budget_bytes)})")
+                f"peak={_fmt(self.peak())}, budget={budget})")
 
 
 def _tensors_of(obj: Any) -> Iterator[torch.Tensor]:
@@ -211,7 +213,10 @@ def _tensors_of(obj: Any) -> Iterator[torch.Tensor]:
         params = [p for group in obj.param_groups for p in group["params"]]
         yield from _tensors_of([params, list(obj.state.values())])
     elif isinstance(obj, (dict, list, tuple)):
-        for v in obj.values() if isinstance(obj, dict) else obj:
+        values = obj
+        if isinstance(obj, dict):
+            values = obj.values()
+        for v in values:
             yield from _tensors_of(v)
 
 

@@ -595,8 +595,10 @@ class MiniMindForCausalLM(nn.Module):
             loss = None
         aux = [layer.mlp.aux_loss for layer in self.model.layers if getattr(layer.mlp, "aux_loss",
                                                                             None) is not None]
-        return CausalLMOutput(logits=logits, loss=loss, past_key_values=presents, aux_loss=sum(aux)
-                              if aux else None)
+        aux_loss = None
+        if aux:
+            aux_loss = sum(aux)
+        return CausalLMOutput(logits=logits, loss=loss, past_key_values=presents, aux_loss=aux_loss)
 
 
 # ---- Parameter counting

@@ -154,6 +154,9 @@ def resolve_settings(s: RunSettings, prof: Profile) -> RunSettings:
     # pretraining's held-out text, where the data folder has it
     default_val = DATA_DIR / "pretrain_val.jsonl"
     val_data = default_val if pre and s.val_data is None and default_val.is_file() else s.val_data
+    data = s.data
+    if data is None:
+        data = find_data_file(KIND[s.stage])
     r = replace(
         s, seq_len=seq_len, max_tokens=given(s.max_tokens, max(prof.max_tokens, seq_len)),
         steps=given(s.steps, steps),
@@ -161,7 +164,7 @@ def resolve_settings(s: RunSettings, prof: Profile) -> RunSettings:
                 val_data=val_data,
         lr=given(s.lr, lr), ckpt_every=given(s.ckpt_every, eval_every),
         max_samples=prof.max_samples if s.max_samples is None else (s.max_samples or None),
-        data=Path(s.data) if s.data is not None else find_data_file(KIND[s.stage]),
+        data=Path(data),
         sample_every=given(s.sample_every, max(eval_every, -(-given(s.steps, steps) // 4))),
         lora_rank=8 if s.stage == "lora" and s.lora_rank is None else s.lora_rank,
         sample_prompts=tuple(given(s.sample_prompts, DEFAULT_SAMPLE_PROMPTS)),
@@ -247,18 +250,22 @@ def _run_config(s: RunSettings, prof: Profile, preset: str | None, mcfg: MiniMin
     """What config.json says the run is (amp: resolve_amp's choice; lora targets None: MiniMind's
     layers)."""
     lora = {"rank": s.lora_rank, "alpha": s.lora_alpha or s.lora_rank, "targets": None}
+    val_data = val_fingerprint = init = None
+    if s.val_data:
+        val_data, val_fingerprint = str(Path(s.val_data).resolve()), file_fingerprint(s.val_data)
+    if s.init:
+        init = str(Path(s.init).resolve())
     return {"format": RUN_FORMAT, "version": RUN_VERSION, "stage": s.stage, "profile": prof.name,
             "model_preset": preset, "model": mcfg.to_dict(), "train": train_config(s).to_dict(),
             "tokenizer": {"fingerprint": tokenizer_fingerprint(tok),
                           "vocab_size": int(tok.vocab_size)},
-            "data": str(s.data.resolve()), "val_data": str(Path(s.val_data).resolve())
-            if s.val_data else None,
+            "data": str(s.data.resolve()), "val_data": val_data,
             "data_fingerprint": file_fingerprint(s.data), "on_error": s.on_error,
-            "val_data_fingerprint": file_fingerprint(s.val_data) if s.val_data else None,
+            "val_data_fingerprint": val_fingerprint,
             "seq_len": s.seq_len, "max_tokens": s.max_tokens, "val_batches": int(s.val_batches),
             "max_samples": s.max_samples, "batching": "token_budget",
             "long_docs": LONG_DOCS_BY_KIND[KIND[s.stage]],
-            "init": str(Path(s.init).resolve()) if s.init else None, "device": str(device),
+            "init": init, "device": str(device),
             "lora": lora if s.lora_rank else None,
             "dpo": {"beta": s.beta} if s.stage == "dpo" else None,
             "amp": {"mode": s.amp, "resolved": amp.name, "reason": amp.reason},
@@ -363,41 +370,29 @@ def eval_before_training(model: Any, val: list, device: torch.device, amp_dtype:
 
 def summarize(df: pd.DataFrame, wall: float) -> dict:
     """Headline numbers of a run from its own metrics (nothing here is estimated)."""
-    if "val_loss" in df:
-        val = df["val_loss"].dropna()
-    else:
-        val = pd.Series(dtype=float)
-    if "peak_memory_bytes" in df:
-        peak = df["peak_memory_bytes"].max()
-    else:
-        peak = float("nan")
-    if "step_time" in df:
-        train_time = float(df["step_time"].sum())
-    else:
-        train_time = 0.0
+    columns = df.reindex(columns=["val_loss", "peak_memory_bytes", "step_time"])
+    val, peak = columns["val_loss"].dropna(), columns["peak_memory_bytes"].max()
+    train_time = float(columns["step_time"].sum())
+    out = {"steps": 0, "skipped_steps": [], "tokens": 0, "wall_time_s": round(wall, 2),
+           "train_time_s": round(train_time, 2), "tokens_per_s": math.nan,
+           "tokens_per_s_wall": math.nan, "peak_memory_bytes": None, "initial_val_loss": None,
+           "final_val_loss": None, "final_val_ppl": None, "final_train_loss": None,
+           "amp": df.attrs.get("amp")}
     if len(df):
         done = applied(df)
-    else:
-        done = pd.Series(dtype=bool)
-    tokens, last = (
-        int(df["tokens"][done].sum()) if len(df) else 0,
-        val.iloc[-1] if len(val) else None,
-    )
-    if len(df):
-        skipped = [int(x) for x in df["step"][~done & (df["step"] >= 0)]]
-    else:
-        skipped = []
-    return {"steps": int(done.sum()), "skipped_steps": skipped, "tokens": tokens,
-            "wall_time_s": round(wall, 2),
-            "train_time_s": round(train_time, 2),
-            "tokens_per_s": round(tokens / train_time, 1) if train_time > 0 else float("nan"),
-            "tokens_per_s_wall": round(tokens / wall, 1) if wall > 0 else float("nan"),
-            "peak_memory_bytes": None if peak != peak else int(peak),
-            "initial_val_loss": float(val.iloc[0]) if len(val) else None,
-            "final_val_loss": None if last is None else float(last),
-            "final_val_ppl": None if last is None else math.exp(min(last, 50)),
-            "final_train_loss": float(df["loss"].iloc[-1]) if len(df) else None,
-            "amp": df.attrs.get("amp")}
+        out["steps"], out["tokens"] = int(done.sum()), int(df["tokens"][done].sum())
+        out["skipped_steps"] = [int(x) for x in df["step"][~done & (df["step"] >= 0)]]
+        out["final_train_loss"] = float(df["loss"].iloc[-1])
+    if train_time > 0:
+        out["tokens_per_s"] = round(out["tokens"] / train_time, 1)
+    if wall > 0:
+        out["tokens_per_s_wall"] = round(out["tokens"] / wall, 1)
+    if peak == peak:  # not NaN: a meter measured it
+        out["peak_memory_bytes"] = int(peak)
+    if len(val):
+        out["initial_val_loss"], out["final_val_loss"] = float(val.iloc[0]), float(val.iloc[-1])
+        out["final_val_ppl"] = math.exp(min(out["final_val_loss"], 50))
+    return out
 
 
 def _finish(rec: Recorder, df: pd.DataFrame, run_cfg: dict, wall: float, start_step: int,
@@ -459,7 +454,9 @@ def _model(s: RunSettings, mcfg: MiniMindConfig, init_state: dict | None,
         apply_lora(model, s.lora_rank, s.lora_alpha)
     if s.compile:  # the trunk (norms, RoPE, SwiGLU fused); the chunked loss stays eager
         model.model.compile()
-    return model, DPO(reference, s.beta) if reference is not None else None
+    if reference is None:
+        return model, None
+    return model, DPO(reference, s.beta)
 
 
 def _run(s: RunSettings, dinfo: Any = None) -> RunResult:

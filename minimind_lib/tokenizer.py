@@ -196,7 +196,9 @@ def chat_pieces(messages: Sequence[dict], tools: Sequence[dict] | None = None,
                 content = content.lstrip("\n")
             out += [("<think>\n", False), ((reasoning or "").strip("\n"), True), ("\n</think>\n\n",
                                                                                   False)]
-        out.append((content.lstrip("\n") if thinks else content, True))
+        if thinks:
+            content = content.lstrip("\n")
+        out.append((content, True))
         for k, call in enumerate(m.get("tool_calls") or []):
             call = call.get("function", call)  # OpenAI nests {"function": {"name", "arguments"}}
             a = call["arguments"]
@@ -326,7 +328,9 @@ class Tokenizer:
         return self.vocab_size
 
     def __repr__(self) -> str:
-        source = str(self.source) if self.source else None
+        source = None
+        if self.source:
+            source = str(self.source)
         return f"Tokenizer(vocab_size={self.vocab_size}, source={source!r})"
 
     def token_to_id(self, token: str) -> int | None:
@@ -434,7 +438,10 @@ class Tokenizer:
         encoded at once."""
         ids, text = [], ""
         for piece, is_content in pieces:
-            for j, part in enumerate([piece] if is_content else self._special_re.split(piece)):
+            parts = [piece]
+            if not is_content:
+                parts = self._special_re.split(piece)
+            for j, part in enumerate(parts):
                 if j % 2:  # a special marker: flush the text before it
                     ids += [*self._plain.encode(text, add_special_tokens=False).ids,
                             self.hf.token_to_id(part)]

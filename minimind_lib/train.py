@@ -53,8 +53,11 @@ def _to_device(batch: dict, device: torch.device) -> dict:
     if isinstance(batch.get("block_mask"), str) and batch["doc_ids"].device.type == "cpu":
         mask = document_mask(batch["doc_ids"], batch["block_mask"], device)
         batch = {**batch, "attention_mask": mask, "block_mask": None}
-    return {k: (v.to(device, non_blocking=True) if torch.is_tensor(v) else v) for k,
-            v in batch.items()}
+    moved = dict(batch)
+    for k, v in batch.items():
+        if torch.is_tensor(v):
+            moved[k] = v.to(device, non_blocking=True)
+    return moved
 
 
 def forward_logits(model: nn.Module, batch: dict, amp_dtype: torch.dtype | None = None,
@@ -92,7 +95,9 @@ def forward_loss(model: nn.Module, batch: dict, amp_dtype: torch.dtype | None = 
         loss_sum = chunked_lm_loss(hidden, model.lm_head.weight, batch["labels"], loss_chunk)
     aux = [layer.mlp.aux_loss for layer in model.model.layers
            if getattr(layer.mlp, "aux_loss", None) is not None]
-    return loss_sum, sum(aux) if aux else None
+    if not aux:
+        return loss_sum, None
+    return loss_sum, sum(aux)
 
 
 # 2. The schedule (04, section 2)
@@ -443,11 +448,10 @@ class _Run:
                                    max_steps=cfg.max_steps)  # lowered by NaN rollbacks
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        with (
-            self.meter.track(self.model, self.optimizer)
-            if hasattr(self.meter, "track")
-            else contextlib.nullcontext()
-        ):
+        tracked = contextlib.nullcontext()
+        if hasattr(self.meter, "track"):
+            tracked = self.meter.track(self.model, self.optimizer)
+        with tracked:
             if self.meter is not None:
                 self.meter.reset_peak()
             items = self.next_items()
@@ -458,12 +462,14 @@ class _Run:
         row = {"step": self.step, "loss": math.nan, "lr": lr, "grad_norm": grad_norm,
                "tokens": stats["n_tokens"],
                "applied": False, "tokens_per_s": math.nan,
-               "peak_memory_bytes": math.nan if self.meter is None else float(self.meter.peak()),
+               "peak_memory_bytes": math.nan,
                "peak_reserved_bytes": float(getattr(self.meter, "peak_reserved",
                                                     lambda: math.nan)()),
                "step_time": math.nan, "skipped": True, "val_loss": math.nan, "val_ppl": math.nan,
                "scale": scale,
                "events": [str(e) for e in stats.pop("events", [])]}
+        if self.meter is not None:
+            row["peak_memory_bytes"] = float(self.meter.peak())
         # controller extras: micro_batch_size, seq_len, ...
         row.update({key: value for key, value in stats.items()
                     if key not in row and key != "n_tokens" and isinstance(value, (int, float, str,
@@ -487,10 +493,10 @@ class _Run:
             r["wall_time"] = self.window_start - t_start + (i + 1) * r["step_time"]
             n, finite = r["tokens"], r.pop("finite")
             # it moved
-            r["loss"], r["applied"] = (
-                r.pop("loss_sum") / n if n else math.nan,
-                bool(n) and bool(finite),
-            )
+            loss_sum = r.pop("loss_sum")
+            r["loss"], r["applied"] = math.nan, bool(n) and bool(finite)
+            if n:
+                r["loss"] = loss_sum / n
             r["skipped"] = not r["applied"]
             # every label -100: nothing to learn (AdamW would still have moved the weights)
             if not n:
