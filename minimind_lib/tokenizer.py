@@ -196,9 +196,10 @@ def chat_pieces(messages: Sequence[dict], tools: Sequence[dict] | None = None,
                 content = content.lstrip("\n")
             out += [("<think>\n", False), ((reasoning or "").strip("\n"), True), ("\n</think>\n\n",
                                                                                   False)]
+        shown = content  # the test for an empty content below reads it unstripped
         if thinks:
-            content = content.lstrip("\n")
-        out.append((content, True))
+            shown = content.lstrip("\n")
+        out.append((shown, True))
         for k, call in enumerate(m.get("tool_calls") or []):
             call = call.get("function", call)  # OpenAI nests {"function": {"name", "arguments"}}
             a = call["arguments"]
