@@ -4,7 +4,7 @@ minimind_lib is the tidied code of the notebooks, not a framework. Its budget co
 tokens outside comments and docstrings, counted with `tokenize` (COMMENT, NL, NEWLINE, INDENT, DEDENT, ENCODING,
 ENDMARKER and docstring strings are skipped). Tokens, not lines, so that breaking a dense line into plain ones costs
 nothing and cutting repeated logic pays; every feature (run tracking, LoRA and DPO, the GPU path, the reliability
-checks) pays for its tokens. The issue's target is 46,500 tokens; the library is at 58,216 after this round (the
+checks) pays for its tokens. The issue's target is 46,500 tokens; the library is at 58,219 after this round (the
 budget, MAX_CODE_TOKENS, is that count rounded up), and the next change to the library pays back before it adds.
 
 The shape of the code, one fixed number each and no exception list: lines at most 100 columns; no walrus; no nested
