@@ -212,15 +212,19 @@ class AmpSettings:
         return {torch.bfloat16: "bf16", torch.float16: "fp16", None: "fp32"}[self.dtype]
 
 
-# notebook 05: AVX512-BF16, no AMX: bf16 x1.27 fp32's step at hidden 64, x0.66 at 256
+# notebook 05, steps timed in turns on a 2-core AMD EPYC with AVX512-BF16 and no AMX: bf16 ahead
+# of fp32 in every paired repeat from hidden 256 (median x0.78 there, x0.63 at 512; x1.02 at 64).
+# An Intel Xeon with AMX measured bf16 slower at every width: auto takes bf16 on a CPU only where
+# it was measured faster.
 CPU_BF16_MIN_HIDDEN = 256
+CPU_BF16_MEASURED = ("avx512_bf16",)  # that CPU's bf16 instructions (cpu_native_flags), exactly
 
 
 def resolve_amp(amp: str, device: torch.device | str,
                 hidden_size: int | None = None) -> AmpSettings:
     """Autocast dtype, GradScaler and why, for `amp` ("auto"|"bf16"|"fp16"|"off") on `device`; on a
-    CPU, auto picks bf16 only for a model of hidden_size >= CPU_BF16_MIN_HIDDEN (notebook 05
-    measures where bf16 starts to pay)."""
+    CPU, auto picks bf16 only on the kind of CPU where notebook 05 measured it faster (bf16
+    instructions CPU_BF16_MEASURED) and for a model of hidden_size >= CPU_BF16_MIN_HIDDEN."""
     device = torch.device(device)
     if amp not in AMP_MODES:
         raise ValueError(f"amp={amp!r}; choose one of {AMP_MODES}")
@@ -243,12 +247,17 @@ def resolve_amp(amp: str, device: torch.device | str,
     if device.type in ("cuda", "mps"):
         return AmpSettings(torch.float16, True,
                            f"auto: {device.type} without bf16 -> fp16 autocast + GradScaler")
-    if native and hidden_size is not None and hidden_size >= CPU_BF16_MIN_HIDDEN:
-        return AmpSettings(torch.bfloat16, False, f"auto: CPU with native bf16, hidden size "
+    flags = cpu_native_flags(torch.bfloat16) or ()
+    measured = native and flags == CPU_BF16_MEASURED
+    if measured and hidden_size is not None and hidden_size >= CPU_BF16_MIN_HIDDEN:
+        return AmpSettings(torch.bfloat16, False, f"auto: CPU with {flags[0]}, hidden size "
                            f"{hidden_size} >= {CPU_BF16_MIN_HIDDEN} -> bf16 autocast")
     why = "model size not given"
     if not native:
         why = "no bf16 instructions on this CPU: emulated bf16 is slower"
+    elif not measured:
+        why = (f"bf16 instructions {' '.join(flags) or 'unknown'}: notebook 05 measured bf16 "
+               f"faster only with {' '.join(CPU_BF16_MEASURED)} alone (an AMX Xeon: slower)")
     elif hidden_size is not None:
         why = (f"hidden size {hidden_size} < {CPU_BF16_MIN_HIDDEN}, the bar that notebook 05's "
                f"width sweep set on an AVX512-BF16 CPU, where bf16 won every run only from "

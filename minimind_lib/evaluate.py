@@ -21,8 +21,8 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 
-from .checkpoint import (METRICS_FILE, SUMMARY_FILE, RunError, applied, load_run, read_run_config,
-                         with_tokens_seen)
+from .checkpoint import (CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, RunError, applied, load_run,
+                         read_run_config, with_tokens_seen)
 from .checks import require
 from .corpus import PAYLOAD, JsonlReader, tokenize_samples
 from .data import holdout_indices, pad_collate
@@ -428,11 +428,21 @@ def text_ladder(model: torch.nn.Module, tok: Any, docs: list[dict], seq_len: int
             for name, (nll, rank) in scorers.items()}
 
 
+def pair_share(correct: np.ndarray) -> dict:
+    """`share` over pairs: correct holds pair i's two answers at 2i, 2i + 1 (1 right, 0.5 a tie).
+
+    A pair scores their mean: its two questions share both texts, so they are not independent.
+    A score in [0, 1] varies at most as a coin of the same mean, so Wilson's interval is safe."""
+    score = np.asarray(correct, dtype=float).reshape(-1, 2).mean(1)
+    return {**share(float(score.sum()), len(score)), "both_right": int((score == 1).sum())}
+
+
 def two_choice(model: torch.nn.Module, tok: Any, docs: list[dict], half: int = HALF) -> dict:
     """Own continuation or that of another document of its language, scored by how much the passage
     raises each one's log-likelihood, log p(c | passage) - log p(c | [bos]) (plain log p(c |
     passage) favours text that is easy anyway: reported beside). Each pair is asked both ways, so
-    ignoring the passage scores 50% (a tie counts half)."""
+    ignoring the passage scores 50% (a tie counts half); the share and its interval count pairs
+    (pair_share)."""
     ids, langs = text_ids(tok, docs), [language(d["text"]) for d in docs]
     ok = [k for k, s in enumerate(ids) if len(s) > 2 * half]
     if len(ok) < MIN_TWO_CHOICE_DOCS:
@@ -441,30 +451,29 @@ def two_choice(model: torch.nn.Module, tok: Any, docs: list[dict], half: int = H
                        f"{2 * half} tokens; the data has {len(ok)} (of {len(ids)} documents)")
     by_lang = [[k for k in ok if langs[k] == lang] for lang in sorted({langs[k] for k in ok})]
     pairs = [(g[i], g[i + 1]) for g in by_lang for i in range(0, len(g) - 1, 2)]
-    # noqa: E731  (ids[k][:half + 1]: [bos] + the passage)
-    cont = lambda k: ids[k][half + 1:2 * half + 1]
-    rows = [
-        np.concatenate([ids[p][: half + 1], cont(c)])
-        for a, b in pairs
-        for p, c in ((a, a), (a, b), (b, b), (b, a))
-    ]
-    # [bos] + continuation
-    alone = [np.concatenate([ids[c][:1], cont(c)]) for a, b in pairs for c in (a, b, b, a)]
-    ll = np.array([-nll.sum() for nll, _ in token_scores(model, rows, half) + token_scores(model,
-                                                                                           alone,
-                                                                                           half)])
-    ll = ll.reshape(2, -1, 2)  # (with passage, alone) x question x (own, other)
-    # > 0: the passage raised its own continuation more
-    gain = (ll[0] - ll[1]) @ np.array([1.0, -1.0])
-    result = share(float((gain > 0).sum() + 0.5 * (gain == 0).sum()), len(gain))
+    rows, alone = [], []
+    for a, b in pairs:  # each pair asked both ways: own then other continuation, for a then for b
+        for passage, continuation in ((a, a), (a, b), (b, b), (b, a)):
+            cont = ids[continuation][half + 1:2 * half + 1]
+            rows.append(np.concatenate([ids[passage][:half + 1], cont]))  # [bos] + passage + cont
+            alone.append(np.concatenate([ids[continuation][:1], cont]))  # [bos] + cont
+    scores = token_scores(model, rows, half) + token_scores(model, alone, half)
+    ll = np.array([-nll.sum() for nll, _ in scores])
+    ll = ll.reshape(2, -1, 2)  # (with passage, alone) x question (pair i: 2i, 2i+1) x (own, other)
+    with_passage, without = ll[0], ll[1]
+    own_gain = with_passage[:, 0] - without[:, 0]
+    other_gain = with_passage[:, 1] - without[:, 1]
+    gain = own_gain - other_gain  # > 0: the passage raised its own continuation more
+    result = pair_share((gain > 0) + 0.5 * (gain == 0))
     low, high = result["interval95"]
     verdict = "not distinguishable from chance (50% is inside the interval)"
     if low > 0.5:
         verdict = "above chance"
     elif high < 0.5:
         verdict = "below chance"
-    return {**result, "pairs": len(pairs), "chance": 0.5, "tokens": half, "verdict": verdict,
-            "plain_log_likelihood": share(int((ll[0][:, 0] > ll[0][:, 1]).sum()), len(gain))}
+    plain = pair_share(with_passage[:, 0] > with_passage[:, 1])
+    return {**result, "pairs": len(pairs), "questions": len(gain), "chance": 0.5, "tokens": half,
+            "verdict": verdict, "plain_log_likelihood": plain}
 
 
 def chat_ladder(model: torch.nn.Module, tok: Any, convs: list[list[dict]], seq_len: int,
@@ -516,15 +525,14 @@ def _records(path: str | Path, kind: str, max_samples: int | None = None) -> lis
 
 
 def held_out(cfg: dict | None, data: str | Path | None,
-             tok: Any = None) -> tuple[Path, tuple, list | None]:
-    """(held-out text, (baselines' training file, max_samples), held-out conversations or None) of
-    a run's config (None: an export); `data`, a jsonl of {"text"} or of {"conversations"}, replaces
-    the text or the conversations; tok: the run's tokenizer (default: the bundled one), which says
-    the conversations that train something."""
+             tok: Any = None) -> tuple[Path, list | None]:
+    """(held-out text, held-out conversations or None) of a run's config (None: an export).
+
+    `data`, a jsonl of {"text"} or of {"conversations"}, replaces the text or the conversations;
+    tok: the run's tokenizer (default: the bundled one), which says the conversations that train."""
+    first = None
     if data is not None:
         first = next(iter(JsonlReader(data)), None)
-    else:
-        first = None
     kind = next((k for k, key in PAYLOAD.items() if isinstance(first, dict) and key in first), None)
     if data is not None and kind is None:
         raise RunError(f"{data}: no usable text: " + ("no record in the file" if first is None else
@@ -532,18 +540,11 @@ def held_out(cfg: dict | None, data: str | Path | None,
                                                       "'conversations'"))
     cfg, convs = cfg or {}, None
     pre, sft = cfg.get("stage") == "pretrain", cfg.get("stage") == "sft"
+    text = None
     if kind == "pretrain":
         text = data
-    else:
-        if pre:
-            text = cfg.get("val_data")
-        else:
-            text = None
-    # what it learned
-    if pre:
-        train = (cfg["data"], cfg.get("max_samples"))
-    else:
-        train = (find_data_file("pretrain"), None)
+    elif pre:
+        text = cfg.get("val_data")
     if kind == "sft" or (sft and cfg.get("val_data")):
         convs = _records(data if kind == "sft" else cfg["val_data"], "sft")
     elif sft:  # the run's own held-out 5% of its SFT file, drawn as the run drew it
@@ -553,7 +554,34 @@ def held_out(cfg: dict | None, data: str | Path | None,
         starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])  # each one's first place in `mask`
         trains = [mask[a + 1:a + min(n, cfg["seq_len"])].any() for a, n in zip(starts, lengths)]
         convs = [every[i] for i in holdout_indices(len(every), cfg["train"]["seed"], trains)[1]]
-    return Path(text or DATA_DIR / "pretrain_val.jsonl"), train, convs
+    return Path(text or DATA_DIR / "pretrain_val.jsonl"), convs
+
+
+def pretraining_texts(cfg: dict | None) -> tuple[list[str], str]:
+    """The documents the n-gram baselines count, and a sentence saying what they are.
+
+    The training set of the pretraining run the weights come from (its own, or an SFT run's init
+    run, followed back); else (an export, an init run that is gone) the whole bundled file."""
+    cfg, init = cfg or {}, None
+    for _ in range(8):  # an SFT run of an SFT run: the init's init (bounded: a cycle ends)
+        if cfg.get("stage") != "sft" or not cfg.get("init"):
+            break
+        if not (Path(cfg["init"]) / CONFIG_FILE).is_file():
+            break
+        init = cfg["init"]
+        cfg = read_run_config(init)
+    if cfg.get("stage") == "pretrain":
+        records = _records(cfg["data"], "pretrain", cfg.get("max_samples"))
+        texts = [r["text"] for r in records]
+        run = "this run" if init is None else f"the pretraining run {init}"
+        return texts, f"{cfg['data']} ({len(texts)} documents: the training set of {run})"
+    if cfg.get("init"):
+        why = f"{cfg['init']} is not a pretraining run here"
+    else:
+        why = "the model names no pretraining run"
+    path = find_data_file("pretrain")
+    texts = [r["text"] for r in _records(path, "pretrain")]
+    return texts, f"{path} ({len(texts)} documents, the whole file: {why})"
 
 
 def evaluate_model(path: str | Path, data: str | Path | None = None, seq_len: int | None = None,
@@ -564,16 +592,14 @@ def evaluate_model(path: str | Path, data: str | Path | None = None, seq_len: in
     # import-hf's runs record no training
     trained = cfg if (cfg or {}).get("stage") in ("pretrain", "sft") else None
     seq_len = seq_len or (trained or {}).get("seq_len") or get_profile().seq_len
-    text, (train, cap), convs = held_out(trained, data, tok)
+    text, convs = held_out(trained, data, tok)
     docs = _records(text, "pretrain")
-    choice, train_texts = two_choice(model, tok, docs), [r["text"] for r in _records(train,
-                                                                                     "pretrain",
-                                                                                     cap)]
+    train_texts, baselines_from = pretraining_texts(trained)
     result = {"model": str(path), "kind": "transformers" if cfg is None else "run",
-              "text_data": str(text),
-              "context": seq_len, "documents": len(docs),
-              "baselines_from": f"{train} ({len(train_texts)} documents)",
-              "table": text_ladder(model, tok, docs, seq_len, train_texts), "two_choice": choice}
+              "text_data": str(text), "context": seq_len, "documents": len(docs),
+              "baselines_from": baselines_from,
+              "table": text_ladder(model, tok, docs, seq_len, train_texts),
+              "two_choice": two_choice(model, tok, docs)}
     if convs is not None:
         result["chat"] = chat_ladder(model, tok, [r["conversations"] for r in convs], seq_len,
                                      reply_tokens, replies)
@@ -597,13 +623,12 @@ def describe_ladder(r: dict) -> str:
         low, high = s["interval95"]
         return f"{s['share']:.1%} of {s['of']} (95% interval {low:.1%}-{high:.1%})"
     t, c = r["two_choice"], r.get("chat", {})
-    lines = [f"{r['model']} ({r['kind']}): {r['documents']} documents of {r['text_data']}, context "
-             f"{r['context']} "
-             f"tokens; baselines from {r['baselines_from']}",
+    lines = [f"{r['model']} ({r['kind']}): {r['documents']} documents of {r['text_data']}, "
+             f"context {r['context']} tokens; baselines from {r['baselines_from']}",
              ladder_table(r).to_string(index=False),
-             f"two-choice continuation ({t['tokens']} tokens, {t['pairs']} pairs asked both ways): "
-             f"{pct(t)}, chance "
-             f"50%: {t['verdict']} (plain log-likelihood: {pct(t['plain_log_likelihood'])})"]
+             f"two-choice continuation ({t['tokens']} tokens, {t['pairs']} pairs, each asked both "
+             f"ways and counted once): {pct(t)}, both ways right in {t['both_right']}, chance 50%: "
+             f"{t['verdict']} (plain log-likelihood: {pct(t['plain_log_likelihood'])})"]
     if c:
         missing = c.get("assistant_loss_missing")
         loss = f": none ({missing})" if missing else f" {c['assistant_loss']:.3f}"

@@ -234,10 +234,33 @@ def test_two_choice_is_at_chance_untrained_and_above_it_after_workshop_pretraini
     torch.manual_seed(1337)  # the weights the workshop run started from
     untrained = ev.two_choice(MiniMindForCausalLM(MiniMindConfig.preset("smoke")).eval(), tok, held_out_docs)
     trained = ev.two_choice(model, tok, held_out_docs)
-    assert untrained["of"] == trained["of"] == 2 * trained["pairs"] > 300
+    assert untrained["of"] == trained["of"] == trained["pairs"] > 150 and trained["questions"] == 2 * trained["pairs"]
     low, high = untrained["interval95"]
     assert low < 0.5 < high and untrained["verdict"].startswith("not distinguishable from chance")
     assert trained["interval95"][0] > 0.5 and trained["verdict"] == "above chance"
+
+
+def test_the_two_choice_interval_counts_pairs_not_questions():
+    one_each = ev.pair_share(np.tile([1.0, 0.0], 100))  # each of 100 pairs right one way only: what ignoring gives
+    assert one_each == {**ev.share(50.0, 100), "both_right": 0}  # 50%, its interval over 100 pairs, not 200 answers
+    width = lambda s: s["interval95"][1] - s["interval95"][0]  # noqa: E731
+    assert width(one_each) > 1.4 * width(ev.share(100, 200))
+    mixed = ev.pair_share([1, 1, 1, 0, 0.5, 0, 0, 0])  # pairs scoring 1, 1/2, 1/4 (a tie and a miss), 0
+    assert (mixed["count"], mixed["of"], mixed["both_right"]) == (1.75, 4, 1)
+
+
+def test_the_baselines_count_the_pretraining_the_model_started_from(runs, tmp_path):
+    cap = runs["pre_result"].config["max_samples"]  # the smoke profile's: fewer documents than the file holds
+    pre_texts, pre_where = ev.pretraining_texts(runs["pre_result"].config)
+    sft_texts, sft_where = ev.pretraining_texts(runs["sft_result"].config)  # through its init run
+    assert sft_texts == pre_texts and len(pre_texts) <= cap
+    assert pre_where.endswith(f"({len(pre_texts)} documents: the training set of this run)")
+    assert sft_where.endswith(f"the training set of the pretraining run {runs['pre'].resolve()})")
+    gone = {**runs["sft_result"].config, "init": str(tmp_path / "gone")}  # its pretraining run deleted since
+    texts, where = ev.pretraining_texts(gone)
+    assert len(texts) > cap and "the whole file" in where and str(tmp_path / "gone") in where
+    texts, where = ev.pretraining_texts(None)  # an export: it names no run
+    assert len(texts) > cap and "names no pretraining run" in where
 
 
 def test_the_wilson_interval():
@@ -257,6 +280,7 @@ def test_eval_cli_reports_the_ladder_and_nothing_is_written(runs, tmp_path, held
     chat = result["chat"]  # the SFT run's own held-out 5%, the conversations its validation loss came from
     assert chat["conversations"] == runs["sft_result"].config["sft_val_holdout"]
     assert chat["ended_with_im_end"]["of"] == 3
+    assert "the training set of the pretraining run" in result["baselines_from"]  # the run its SFT started from
     code, text, _ = run_cli(["eval", runs["sft"], "--data", small, "--replies", 1])
     assert code == 0 and "bits_per_byte" in text and "two-choice continuation" in text and "after SFT" in text
 

@@ -1,6 +1,7 @@
 """The notebooks' exercises: 2-4 per chapter 01-10, each with a check cell, a solution notebook that runs the same
 checks, committed check outputs that never show an answer, and checks that fail on wrong answers
-(notebooks/exercise_checks.py; the solution notebooks themselves are executed by nbval with the chapters)."""
+(notebooks/exercise_checks.py; the solution notebooks themselves are executed by nbval once, in the handout, by
+tests/test_workshop_kit.py)."""
 import math
 import re
 import sys

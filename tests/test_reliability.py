@@ -40,14 +40,14 @@ TINY_CLI = ["--profile", "smoke", "--seq-len", "32", "--max-tokens", "128", "--a
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("cache")
+def cache(tiny_cache):
+    return tiny_cache
 
 
 @pytest.fixture(scope="module")
-def pre(tmp_path_factory, cache):
-    """A finished 2-step pretraining run (the starting point of the SFT and checkpoint tests)."""
-    return pipeline.pretrain(out=tmp_path_factory.mktemp("pre") / "run", steps=2, cache_dir=cache, **TINY).out_dir
+def pre(tiny_pretrain):
+    """A finished 2-step pretraining run (the session's, tests/conftest.py: copy it before changing it)."""
+    return tiny_pretrain
 
 
 def run_cli(args: list, capsys=None) -> tuple[int, str, str]:

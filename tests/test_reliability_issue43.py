@@ -66,14 +66,14 @@ def snapshot(d: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("cache")
+def cache(tiny_cache):
+    return tiny_cache
 
 
 @pytest.fixture(scope="module")
-def pre(tmp_path_factory, cache):
-    """A finished 2-step pretraining run."""
-    return pipeline.pretrain(out=tmp_path_factory.mktemp("pre") / "run", steps=2, cache_dir=cache, **TINY).out_dir
+def pre(tiny_pretrain):
+    """A finished 2-step pretraining run (the session's, tests/conftest.py: copy it before changing it)."""
+    return tiny_pretrain
 
 
 @pytest.fixture(scope="module")

@@ -41,6 +41,7 @@ def chapter():
     with pytest.MonkeyPatch.context() as monkeypatch:
         monkeypatch.setenv("MINIMIND_PROFILE", "smoke")
         monkeypatch.chdir(NOTEBOOK.parent)
+        monkeypatch.syspath_prepend(str(NOTEBOOK.parent))  # lab_checks/ and tokenizer_views.py, as in Jupyter
         namespace: dict = {}
         cells = [c.source for c in nbformat.read(NOTEBOOK, as_version=4).cells if c.cell_type == "code"]
         check = next(k for k, source in enumerate(cells) if "NBVAL_CHECK_OUTPUT" in source and "same_as_library" in source)

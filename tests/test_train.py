@@ -13,6 +13,7 @@ from minimind_lib.data import pad_collate, trained_tokens
 from minimind_lib.model import MiniMindConfig, MiniMindForCausalLM, lm_loss
 from minimind_lib.train import (AmpSettings, TrainConfig, accumulate_step, build_optimizer, evaluate, fit,
                                 forward_logits, lr_at, optimizer_step, resolve_amp, step_token_count)
+from minimind_lib.device import CPU_BF16_MEASURED
 from minimind_lib.train import CPU_BF16_MIN_HIDDEN
 
 torch.set_num_threads(1)  # tiny matmuls: one thread is fastest, and the CI machine's 2 cores are shared
@@ -108,7 +109,15 @@ def test_resolve_amp(monkeypatch):
     assert resolve_amp("auto", "mps").dtype == torch.float16 and resolve_amp("auto", "mps").use_scaler
     assert resolve_amp("auto", "cpu", hidden_size=4096).dtype is None  # no native bf16: fp32 at any size
     monkeypatch.setattr(device_mod, "bf16_native", lambda d: True)
-    # a CPU with native bf16: bf16 from CPU_BF16_MIN_HIDDEN (notebook 05's measured crossover), fp32 below or unknown
+    # bf16 instructions of another kind than the CPU where notebook 05 measured bf16 faster (an AMX Xeon measured it
+    # slower; Arm's "bf16" was not measured): fp32 at every size, and the reason says why
+    for flags in (("amx_bf16", "avx512_bf16"), ("bf16",), ()):
+        monkeypatch.setattr(device_mod, "cpu_native_flags", lambda dtype, flags=flags: flags)
+        other = resolve_amp("auto", "cpu", hidden_size=4096)
+        assert other.dtype is None and "measured bf16 faster only with avx512_bf16 alone" in other.reason, flags
+    monkeypatch.setattr(device_mod, "cpu_native_flags", lambda dtype: CPU_BF16_MEASURED)
+    # the measured kind (AVX512-BF16, no AMX): bf16 from CPU_BF16_MIN_HIDDEN (notebook 05's crossover), fp32 below
+    assert CPU_BF16_MEASURED == ("avx512_bf16",)
     assert resolve_amp("auto", "cpu", hidden_size=CPU_BF16_MIN_HIDDEN).dtype == torch.bfloat16
     assert resolve_amp("auto", "cpu", hidden_size=512).dtype == torch.bfloat16
     below = resolve_amp("auto", "cpu", hidden_size=64)  # the smoke model
@@ -126,6 +135,7 @@ def test_resolve_amp(monkeypatch):
 
 def test_fit_auto_amp_follows_the_model_size_on_a_bf16_cpu(monkeypatch):
     monkeypatch.setattr(device_mod, "bf16_native", lambda d: True)
+    monkeypatch.setattr(device_mod, "cpu_native_flags", lambda dtype: CPU_BF16_MEASURED)  # the kind measured faster
     x = torch.randint(0, 64, (2, 8))
     for hidden, want in ((64, "fp32"), (CPU_BF16_MIN_HIDDEN, "bf16")):
         torch.manual_seed(0)

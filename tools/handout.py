@@ -2,7 +2,7 @@
 
 Writes, output-stripped (no outputs, execution counts or cell timings):
 - OUT/notebooks/: the chapters (notebooks/NN_*.ipynb) as they are, and what they read beside them (exercise_checks.py,
-  lab_checks/, chat_box.py, band_plot.py, ddp_demo.py, lora_dpo.py, figures/);
+  lab_checks/, figures/ and the helper modules they import: BESIDE_NOTEBOOKS);
 - OUT/lab/: the lab edition: the same chapters with every solution region replaced by a stub, and the same files
   beside them. A region is nbgrader's: the lines from one holding `### BEGIN SOLUTION` to one holding
   `### END SOLUTION` become `# YOUR CODE HERE` and `raise NotImplementedError()` at the BEGIN line's indentation, as
@@ -59,7 +59,9 @@ from minimind_lib.fileio import TMP_PREFIX, atomic_open, explain
 from minimind_lib.paths import REPO_DIR
 
 BESIDE_NOTEBOOKS = ("exercise_checks.py", "lab_checks", "chat_box.py", "band_plot.py", "ddp_demo.py", "lora_dpo.py",
-                    "figures")
+                    "figures", "verdict.py", "matmul_timing.py", "tokenizer_views.py", "data_measurements.py",
+                    "model_harness.py", "memory_planner.py", "step_timing.py", "accumulation_harness.py",
+                    "precision_harness.py", "batching_harness.py", "run_report.py", "ddp_report.py")
 BESIDE_SOLUTIONS = ("exercise_checks.py",)
 DATA_FILES = ("pretrain.jsonl", "pretrain_val.jsonl", "sft.jsonl", "pretrain_t2t_mini.jsonl", "sft_t2t_mini.jsonl",
               "dpo.jsonl", "LICENSES.md", "README.md")
