@@ -1,5 +1,6 @@
-"""Dynamic batching (notebook 06_dynamic_batching): token budgets (TokenBudgetBatchSampler), packing (pack_sequences,
-its masks), OOM-safe adaptive micro-batches (AdaptiveBatchController), steps (TokenBudgetSteps)."""
+"""Dynamic batching (notebook 06_dynamic_batching): token budgets (TokenBudgetBatchSampler), packing
+(pack_sequences, its masks), OOM-safe adaptive micro-batches (AdaptiveBatchController), steps
+(TokenBudgetSteps)."""
 
 import gc
 import math
@@ -12,19 +13,22 @@ from torch.nn.attention import flex_attention  # the module: tests stand in for 
 from torch.nn.attention.flex_attention import BlockMask
 from torch.utils.data import Dataset, Sampler
 
+from .checks import require
 from .data import IGNORE_INDEX, pad_collate, round_up
 from .device import empty_cache
 
 
 def sort_megabatches(order: np.ndarray, lengths: np.ndarray, size: int) -> list[np.ndarray]:
-    """`order` cut into megabatches of `size` indices, each sorted longest first (stable: ties stay shuffled)."""
+    """`order` cut into megabatches of `size` indices, each sorted longest first (stable: ties stay
+    shuffled)."""
     megas = [order[i:i + size] for i in range(0, len(order), size)]
     return [m[np.argsort(-lengths[m], kind="stable")] for m in megas]
 
 
 def fill_batches(order: Sequence[int], lengths: Sequence[int], max_tokens: int | None,
                  max_batch_size: int | None = None) -> list[list[int]]:
-    """Greedy batches: a sample joins while (rows + 1) x longest row <= max_tokens and rows < max_batch_size."""
+    """Greedy batches: a sample joins while (rows + 1) x longest row <= max_tokens and rows <
+    max_batch_size."""
     batches, batch, longest = [], [], 0
     for i in order:
         n = int(lengths[i])
@@ -38,38 +42,75 @@ def fill_batches(order: Sequence[int], lengths: Sequence[int], max_tokens: int |
 
 
 class TokenBudgetBatchSampler(Sampler[list[int]]):
-    """Batches of indices, every sample once in an order fixed by seed + epoch, of padded size (rows x longest row) <=
-    max_tokens; longer samples count as longest_row = min(max_tokens, seq_len) (truncated_indices: pad_collate cuts)."""
-    def __init__(self, lengths: Sequence[int] | np.ndarray, max_tokens: int, max_batch_size: int | None = None,
-                 shuffle: bool = True, seed: int = 0, megabatch_mult: int = 50, seq_len: int | None = None) -> None:
+    """Batches of indices, every sample once in an order fixed by seed + epoch, of padded size (rows
+    x longest row) <= max_tokens; longer samples count as longest_row = min(max_tokens, seq_len)
+    (truncated_indices: pad_collate cuts)."""
+    def __init__(self, lengths: Sequence[int] | np.ndarray, max_tokens: int,
+                 max_batch_size: int | None = None,
+                 shuffle: bool = True, seed: int = 0, megabatch_mult: int = 50,
+                 seq_len: int | None = None) -> None:
         lengths = np.asarray(lengths)
         if lengths.ndim != 1 or (lengths.size and not np.issubdtype(lengths.dtype, np.integer)):
-            raise ValueError(f"lengths must be a 1-D sequence of integers, got shape {lengths.shape}, {lengths.dtype}")
+            raise ValueError("lengths must be a 1-D sequence of integers, got shape "
+                             f"{lengths.shape}, {lengths.dtype}")
         if lengths.size and lengths.min() < 1:
-            raise ValueError(f"lengths[{np.argmin(lengths)}] = {lengths.min()}: every sample needs at least 1 token")
+            raise ValueError(f"lengths[{np.argmin(lengths)}] = {lengths.min()}: every sample needs "
+                             "at least 1 token")
         for name, value in (("max_tokens", max_tokens), ("megabatch_mult", megabatch_mult),
                             ("max_batch_size", max_batch_size), ("seq_len", seq_len)):
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
-        self.max_tokens, self.max_batch_size, self.seq_len, self.epoch = int(max_tokens), max_batch_size, seq_len, 0
-        self.shuffle, self.seed, self.megabatch_mult, self._cache = shuffle, int(seed), int(megabatch_mult), None
-        self.longest_row = self.max_tokens if seq_len is None else min(self.max_tokens, seq_len)  # one row must fit
+        self.max_tokens, self.max_batch_size, self.seq_len, self.epoch = (
+            int(max_tokens),
+            max_batch_size,
+            seq_len,
+            0,
+        )
+        self.shuffle, self.seed, self.megabatch_mult, self._cache = (
+            shuffle,
+            int(seed),
+            int(megabatch_mult),
+            None,
+        )
+        # one row must fit
+        if seq_len is None:
+            self.longest_row = self.max_tokens
+        else:
+            self.longest_row = min(self.max_tokens, seq_len)
         self.raw_lengths = lengths.astype(np.int64)
         self.truncated_indices = np.flatnonzero(self.raw_lengths > self.longest_row).tolist()
-        self.lengths = np.minimum(self.raw_lengths, self.longest_row)  # as batched: the collate cuts longer ones
-        rows = max(1, self.max_tokens // max(1, int(np.median(self.lengths)) if lengths.size else 1))
-        self.megabatch_size = self.megabatch_mult * min(rows, max_batch_size or rows)  # samples of ~mult batches
+        # as batched: the collate cuts longer ones
+        self.lengths = np.minimum(self.raw_lengths, self.longest_row)
+        median = 1
+        if lengths.size:
+            median = max(1, int(np.median(self.lengths)))
+        rows = max(1, self.max_tokens // median)
+        # samples of ~mult batches
+        self.megabatch_size = self.megabatch_mult * min(rows, max_batch_size or rows)
 
     def batches(self, epoch: int | None = None) -> list[list[int]]:
-        """All batches of an epoch, in the order they are served (deterministic given seed + epoch)."""
-        epoch = self.epoch if epoch is None else int(epoch)
+        """All batches of an epoch, in the order they are served (deterministic given seed + epoch).
+        """
+        if epoch is None:
+            epoch = self.epoch
+        else:
+            epoch = int(epoch)
         if self._cache is None or self._cache[0] != epoch:  # _cache: (epoch, its batches)
             rng = np.random.default_rng([self.seed, epoch])
-            order = rng.permutation(len(self.lengths)) if self.shuffle else np.arange(len(self.lengths))
-            size = self.megabatch_size if self.shuffle else max(1, len(order))  # unshuffled: one sorted megabatch
+            if self.shuffle:
+                order = rng.permutation(len(self.lengths))
+            else:
+                order = np.arange(len(self.lengths))
+            # unshuffled: one sorted megabatch
+            if self.shuffle:
+                size = self.megabatch_size
+            else:
+                size = max(1, len(order))
             out = [b for mega in sort_megabatches(order, self.lengths, size)
                    for b in fill_batches(mega, self.lengths, self.max_tokens, self.max_batch_size)]
-            self._cache = (epoch, [out[i] for i in rng.permutation(len(out))] if self.shuffle else out)
+            if self.shuffle:
+                out = [out[i] for i in rng.permutation(len(out))]
+            self._cache = (epoch, out)
         return self._cache[1]
 
     def set_epoch(self, epoch: int) -> None:
@@ -85,9 +126,11 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
     @property
     def stats(self) -> dict:
         """Counts for the current epoch: samples, truncated samples and tokens, batches, padding."""
-        real, padded = int(self.lengths.sum()), int(sum(len(b) * int(self.lengths[b].max()) for b in self.batches()))
+        real, padded = int(self.lengths.sum()), int(sum(len(b) * int(self.lengths[b].max())
+                                                        for b in self.batches()))
         return {"n_samples": len(self.lengths), "n_truncated": len(self.truncated_indices),
-                "tokens_truncated": int((self.raw_lengths - self.lengths).sum()), "n_batches": len(self),
+                "tokens_truncated": int((self.raw_lengths - self.lengths).sum()),
+                "n_batches": len(self),
                 "max_tokens": self.max_tokens, "longest_row": self.longest_row, "real_tokens": real,
                 "padded_tokens": padded, "padding_fraction": 1.0 - real / padded if padded else 0.0}
 
@@ -111,14 +154,17 @@ class PackStats:
         return {**self.__dict__, "padding_fraction": self.padding_fraction}
 
 
-def stream_segments(docs: Sequence[tuple], seq_len: int, stats: PackStats, whole: bool = False) -> list[list[tuple]]:
-    """Rows of segments (input_ids, labels): the documents in order, cut every seq_len tokens (and go on next row);
-    `whole` (SFT): a document that does not fit the rest of a row starts the next one, never cut."""
+def stream_segments(docs: Sequence[tuple], seq_len: int, stats: PackStats,
+                    whole: bool = False) -> list[list[tuple]]:
+    """Rows of segments (input_ids, labels): the documents in order, cut every seq_len tokens (and
+    go on next row); `whole` (SFT): a document that does not fit the rest of a row starts the next
+    one, never cut."""
     rows, row, room = [], [], seq_len
     for i, (ids, labels) in enumerate(docs):
         if whole and ids.numel() > room:
             if ids.numel() > seq_len:
-                raise ValueError(f"sample {i}: {ids.numel()} tokens do not fit a row of {seq_len} whole")
+                raise ValueError(f"sample {i}: {ids.numel()} tokens do not fit a row of {seq_len} "
+                                 "whole")
             rows.append(row)
             row, room = [], seq_len
         stats.n_split += int(ids.numel() > room)  # it does not fit the rest of this row
@@ -132,8 +178,10 @@ def stream_segments(docs: Sequence[tuple], seq_len: int, stats: PackStats, whole
     return rows + [row] if row else rows
 
 
-def rows_from_segments(rows: list[list[tuple]], seq_len: int, pad_id: int, stats: PackStats) -> dict:
-    """(B, seq_len) input_ids, labels (-100 at each segment's first position), position_ids, doc_ids (-1: pad)."""
+def rows_from_segments(rows: list[list[tuple]], seq_len: int, pad_id: int,
+                       stats: PackStats) -> dict:
+    """(B, seq_len) input_ids, labels (-100 at each segment's first position), position_ids, doc_ids
+    (-1: pad)."""
     shape = (len(rows), seq_len)
     out = {"input_ids": torch.full(shape, pad_id), "labels": torch.full(shape, IGNORE_INDEX),
            "position_ids": torch.zeros(shape, dtype=torch.long), "doc_ids": torch.full(shape, -1)}
@@ -142,7 +190,8 @@ def rows_from_segments(rows: list[list[tuple]], seq_len: int, pad_id: int, stats
         for d, (ids, labels) in enumerate(segments):
             n = ids.numel()
             out["input_ids"][r, pos:pos + n] = ids
-            out["labels"][r, pos + 1:pos + n] = labels[1:]  # the previous segment's last token must not predict this
+            # the previous segment's last token must not predict this
+            out["labels"][r, pos + 1:pos + n] = labels[1:]
             out["position_ids"][r, pos:pos + n] = torch.arange(n)
             out["doc_ids"][r, pos:pos + n] = d
             pos += n
@@ -153,23 +202,30 @@ def rows_from_segments(rows: list[list[tuple]], seq_len: int, pad_id: int, stats
 
 def pack_sequences(samples: Sequence[Any], seq_len: int, *, pad_id: int = 0,
                    whole: bool = False) -> tuple[dict, PackStats]:
-    """Documents in rows of `seq_len`: input_ids, labels, position_ids, doc_ids, each (B, seq_len); `whole`: never cut."""
+    """Documents in rows of `seq_len`: input_ids, labels, position_ids, doc_ids, each (B, seq_len);
+    `whole`: never cut."""
     if int(seq_len) < 2:
         raise ValueError(f"seq_len must be >= 2, got {seq_len}")
-    docs = [(torch.as_tensor(s["input_ids"]), torch.as_tensor(s.get("labels", s["input_ids"]))) for s in samples]
+    docs = [(torch.as_tensor(s["input_ids"]), torch.as_tensor(s.get("labels", s["input_ids"])))
+            for s in samples]
     for i, (ids, labels) in enumerate(docs):
         if ids.dim() != 1 or labels.shape != ids.shape:
-            raise ValueError(f"sample {i}: packing needs 1-D input_ids and labels of one shape, got "
+            raise ValueError(f"sample {i}: packing needs 1-D input_ids and labels of one shape, "
+                             "got "
                              f"{tuple(ids.shape)} / {tuple(labels.shape)}")
-    stats = PackStats(n_docs=len(samples))  # stream_segments and rows_from_segments add their counts
-    return rows_from_segments(stream_segments(docs, int(seq_len), stats, whole), int(seq_len), pad_id, stats), stats
+    # stream_segments and rows_from_segments add their counts
+    stats = PackStats(n_docs=len(samples))
+    return rows_from_segments(stream_segments(docs, int(seq_len), stats, whole), int(seq_len),
+                              pad_id, stats), stats
 
 
 def block_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
-    """(B, 1, T, T) bool mask for SDPA: query i may attend key j iff j <= i and both are in one document."""
+    """(B, 1, T, T) bool mask for SDPA: query i may attend key j iff j <= i and both are in one
+    document."""
     if doc_ids.dim() != 2:
         raise ValueError(f"doc_ids must be (B, T), got shape {tuple(doc_ids.shape)}")
-    causal = torch.ones(doc_ids.shape[1], doc_ids.shape[1], dtype=torch.bool, device=doc_ids.device).tril()
+    causal = torch.ones(doc_ids.shape[1], doc_ids.shape[1], dtype=torch.bool,
+                        device=doc_ids.device).tril()
     return ((doc_ids[:, :, None] == doc_ids[:, None, :]) & causal)[:, None]
 
 
@@ -183,9 +239,15 @@ def document_mask(doc_ids: torch.Tensor, kernel: str = "auto",
     that mask back, not rebuilt (no host read: the key is the CPU copy's bytes)."""
     if kernel not in ("auto", "flex", "dense"):
         raise ValueError(f"block mask kernel {kernel!r}; choose 'auto', 'flex' or 'dense'")
-    device = doc_ids.device if device is None else torch.device(device)
+    if device is None:
+        device = doc_ids.device
+    else:
+        device = torch.device(device)
     on_cpu = type(doc_ids) is torch.Tensor and doc_ids.device.type == "cpu"
-    key = (doc_ids.numpy().tobytes(), tuple(doc_ids.shape), kernel, str(device)) if on_cpu else None
+    if on_cpu:
+        key = (doc_ids.numpy().tobytes(), tuple(doc_ids.shape), kernel, str(device))
+    else:
+        key = None
     if key in _RECENT_MASKS:
         return _RECENT_MASKS[key]
     ids = doc_ids
@@ -209,7 +271,8 @@ _RECENT_MASKS: dict[tuple, torch.Tensor | BlockMask] = {}
 
 
 class PackedDataset(Dataset):
-    """Rows of exactly seq_len packed from a dataset of samples; items are dicts of (seq_len,) tensors."""
+    """Rows of exactly seq_len packed from a dataset of samples; items are dicts of (seq_len,)
+    tensors."""
     def __init__(self, samples: Sequence[Any], seq_len: int, *, pad_id: int = 0) -> None:
         self.rows, self.stats = pack_sequences(samples, seq_len, pad_id=pad_id)
         self.lengths = np.full(len(self), int(seq_len), dtype=np.int64)  # every row is seq_len long
@@ -222,27 +285,38 @@ class PackedDataset(Dataset):
 
 
 def collate_packed(rows: list[dict], block_mask: bool | str = True) -> dict:
-    """Stacked packed rows: block_mask=True adds the (B,1,T,T) block-causal attention_mask, False none (plain causal);
-    "auto", "flex" or "dense" ask the loop (train.forward_logits) for document_mask(doc_ids, kernel) on the device."""
+    """Stacked packed rows: block_mask=True adds the (B,1,T,T) block-causal attention_mask, False
+    none (plain causal); "auto", "flex" or "dense" ask the loop (train.forward_logits) for
+    document_mask(doc_ids, kernel) on the device."""
     if not rows:
         raise ValueError("collate_packed got an empty list of rows")
     if block_mask not in (True, False, "auto", "flex", "dense"):
-        raise ValueError(f"block_mask={block_mask!r}; choose True, False, 'auto', 'flex' or 'dense'")
-    out = {k: torch.stack([r[k] for r in rows]) for k in ("input_ids", "labels", "position_ids", "doc_ids")}
-    return {**out, "attention_mask": block_causal_mask(out["doc_ids"])} if block_mask is True else \
-        {**out, "block_mask": block_mask} if block_mask else out
+        raise ValueError(
+            f"block_mask={block_mask!r}; choose True, False, 'auto', 'flex' or 'dense'"
+        )
+    out = {k: torch.stack([r[k] for r in rows]) for k in ("input_ids", "labels", "position_ids",
+                                                          "doc_ids")}
+    if block_mask is True:
+        return {**out, "attention_mask": block_causal_mask(out["doc_ids"])}
+    return {**out, "block_mask": block_mask} if block_mask else out
 
 
 def is_oom_error(err: BaseException) -> bool:
-    """True for an out-of-memory error: torch.OutOfMemoryError (memory.OutOfMemory too) or a RuntimeError saying so."""
-    phrases = ("out of memory", "allocate memory", "status_alloc_failed")  # cuBLAS/cuDNN on a full GPU: *_ALLOC_FAILED
+    """True for an out-of-memory error: torch.OutOfMemoryError (memory.OutOfMemory too) or a
+    RuntimeError saying so."""
+    # cuBLAS/cuDNN on a full GPU: *_ALLOC_FAILED
+    phrases = ("out of memory", "allocate memory", "status_alloc_failed")
     said_so = isinstance(err, RuntimeError) and any(p in str(err).lower() for p in phrases)
     return said_so or isinstance(err, (MemoryError, torch.OutOfMemoryError))
 
 
 def step_groups(step: Sequence) -> list[list]:
-    """A step as groups of samples: a flat list of samples is one group, a list of micro-batches one per micro-batch."""
-    groups = [list(g) for g in step if len(g)] if step and isinstance(step[0], (list, tuple)) else [list(step)]
+    """A step as groups of samples: a flat list of samples is one group, a list of micro-batches one
+    per micro-batch."""
+    if step and isinstance(step[0], (list, tuple)):
+        groups = [list(g) for g in step if len(g)]
+    else:
+        groups = [list(step)]
     if not sum(map(len, groups)):
         raise ValueError("run_step got no samples for this step")
     return groups
@@ -250,7 +324,9 @@ def step_groups(step: Sequence) -> list[list]:
 
 def row_length(sample: dict, seq_len: int | None) -> int:
     """Tokens of the sample's row once cut to seq_len."""
-    return len(sample["input_ids"]) if seq_len is None else min(len(sample["input_ids"]), seq_len)
+    if seq_len is None:
+        return len(sample["input_ids"])
+    return min(len(sample["input_ids"]), seq_len)
 
 
 def split_step(groups: list[list], micro_batch_size: int | None, max_tokens: int | None,
@@ -264,26 +340,40 @@ def split_step(groups: list[list], micro_batch_size: int | None, max_tokens: int
 
 def after_oom(sizes: tuple, micro: list[list], halvings: int, max_retries: int, seq_cut: float,
               seq_len: int | None) -> tuple[str, tuple, int | None]:
-    """(kind, sizes, seq_len) after an OOM: halve the largest 2+ row micro-batch while retries last, else cut rows."""
-    several = [mb for mb in micro if len(mb) > 1]  # halve what they use, not a cap none reaches (the same work again)
+    """(kind, sizes, seq_len) after an OOM: halve the largest 2+ row micro-batch while retries last,
+    else cut rows."""
+    # halve what they use, not a cap none reaches (the same work again)
+    several = [mb for mb in micro if len(mb) > 1]
     if halvings < max_retries and several:
-        rows, padded = max(map(len, several)), max(len(mb) * max(row_length(s, seq_len) for s in mb) for mb in several)
-        halved = tuple(cap and max(1, min(cap, used) // 2) for cap, used in zip(sizes, (rows, padded)))
-        return "oom_halve", halved, seq_len
-    return "oom_seq_cut", sizes, int(max(row_length(s, seq_len) for mb in micro for s in mb) * seq_cut)
+        rows = max(len(mb) for mb in several)
+        padded = max(len(mb) * max(row_length(s, seq_len) for s in mb) for mb in several)
+        halved = []
+        for cap, used in zip(sizes, (rows, padded)):
+            if cap:  # None: no cap of that kind, and none after
+                cap = max(1, min(cap, used) // 2)
+            halved.append(cap)
+        return "oom_halve", tuple(halved), seq_len
+    longest = max(row_length(s, seq_len) for mb in micro for s in mb)
+    return "oom_seq_cut", sizes, int(longest * seq_cut)
 
 
-def memory_check(frac: float, sizes: tuple, start_sizes: tuple, seq_len: int | None, seq_len_start: int | None,
-                 uncut_len: int | None, high_water: float = 0.8, low_water: float = 0.5, shrink: float = 0.8) -> tuple:
-    """What a peak at `frac` of the budget does: (event kind or None, sizes, seq_len, uncut_len) after it."""
+def memory_check(frac: float, sizes: tuple, start_sizes: tuple, seq_len: int | None,
+                 seq_len_start: int | None,
+                 uncut_len: int | None, high_water: float = 0.8, low_water: float = 0.5,
+                 shrink: float = 0.8) -> tuple:
+    """What a peak at `frac` of the budget does: (event kind or None, sizes, seq_len, uncut_len)
+    after it."""
     if frac > high_water and max(s or 0 for s in sizes) > 1:
         return "shrink", tuple(s and max(1, int(s * shrink)) for s in sizes), seq_len, uncut_len
-    if frac < low_water and uncut_len:  # a cut seq_len comes back first (memory grows ~linearly with row length)
+    # a cut seq_len comes back first (memory grows ~linearly with row length)
+    if frac < low_water and uncut_len:
         if frac * uncut_len / seq_len < high_water:
             return "grow_seq_len", sizes, seq_len_start, None
         return None, sizes, seq_len, uncut_len
-    grown = tuple(s and min(start, max(s + 1, round(s / shrink))) for s, start in zip(sizes, start_sizes))
-    if frac < low_water and grown != sizes and frac * max(g / s for g, s in zip(grown, sizes) if s) < high_water:
+    grown = tuple(s and min(start, max(s + 1, round(s / shrink))) for s, start in zip(sizes,
+                                                                                      start_sizes))
+    if frac < low_water and grown != sizes and frac * max(g / s for g, s in zip(grown, sizes)
+                                                          if s) < high_water:
         return "grow", grown, seq_len, uncut_len  # ... and with the micro-batch
     return None, sizes, seq_len, uncut_len
 
@@ -302,47 +392,100 @@ class BatchEvent:
     message: str = ""
 
     def __str__(self) -> str:
-        sizes = {"micro": self.micro_batch_size, "max_tokens": self.max_tokens, "accum": self.accum_steps,
+        sizes = {"micro": self.micro_batch_size, "max_tokens": self.max_tokens,
+                 "accum": self.accum_steps,
                  "seq_len": self.seq_len}
         return f"{self.kind}({', '.join(f'{k} {v}' for k, v in sizes.items() if v is not None)})"
 
 
+def _cut(value: Any, seq_len: int) -> Any:
+    """A sample's 1-D tensor cut to seq_len; anything else as it is."""
+    if torch.is_tensor(value) and value.dim() == 1:
+        return value[:seq_len]
+    return value
+
+
+def _pinned(value: Any) -> Any:
+    """A tensor in page-locked memory (the loop's non_blocking copies overlap GPU work)."""
+    if torch.is_tensor(value):
+        return value.pin_memory()
+    return value
+
+
 class AdaptiveBatchController:
-    """Splits each step into micro-batches of micro_batch_size rows and/or max_tokens (rows x longest row), resized
-    every check_every steps by memory_check (step peaks, _peak, vs meter.budget_bytes); an OOM retries at after_oom's
-    sizes. pin_memory (CUDA): batches in page-locked memory, so the loop's non_blocking copies overlap GPU work."""
-    def __init__(self, micro_batch_size: int | None = None, *, max_tokens: int | None = None, meter: Any = None,
-                 check_every: int = 100, high_water: float = 0.80, low_water: float = 0.50, shrink: float = 0.8,
-                 max_retries: int = 3, seq_cut: float = 0.8, seq_len: int | None = None, min_seq_len: int = 8,
+    """Splits each step into micro-batches of micro_batch_size rows and/or max_tokens (rows x
+    longest row), resized every check_every steps by memory_check (step peaks, _peak, vs
+    meter.budget_bytes); an OOM retries at after_oom's sizes. pin_memory (CUDA): batches in
+    page-locked memory, so the loop's non_blocking copies overlap GPU work."""
+    def __init__(self, micro_batch_size: int | None = None, *, max_tokens: int | None = None,
+                 meter: Any = None,
+                 check_every: int = 100, high_water: float = 0.80, low_water: float = 0.50,
+                 shrink: float = 0.8,
+                 max_retries: int = 3, seq_cut: float = 0.8, seq_len: int | None = None,
+                 min_seq_len: int = 8,
                  collate_fn: Callable[[list], Any] | None = None, zero_grad: Any = None,
                  pin_memory: bool = False, row_multiple: int = 1) -> None:
-        rules = {"micro_batch_size and/or max_tokens": micro_batch_size is not None or max_tokens is not None,
+        rules = {"micro_batch_size and/or max_tokens": micro_batch_size is not None
+                 or max_tokens is not None,
                  "micro_batch_size >= 1": micro_batch_size is None or micro_batch_size >= 1,
-                 "max_tokens >= 1": max_tokens is None or max_tokens >= 1, "check_every >= 1": check_every >= 1,
-                 "max_retries >= 0": max_retries >= 0, "0 < shrink < 1": 0 < shrink < 1, "0 < seq_cut < 1":
-                 0 < seq_cut < 1, "0 <= low_water < high_water <= 1": 0 <= low_water < high_water <= 1}
+                 "max_tokens >= 1": max_tokens is None or max_tokens >= 1,
+                 "check_every >= 1": check_every >= 1,
+                 "max_retries >= 0": max_retries >= 0, "0 < shrink < 1": 0 < shrink < 1,
+                 "0 < seq_cut < 1":
+                 0 < seq_cut < 1,
+                 "0 <= low_water < high_water <= 1": 0 <= low_water < high_water <= 1}
         for rule in (rule for rule, ok in rules.items() if not ok):
-            raise ValueError(f"AdaptiveBatchController needs {rule}; got {micro_batch_size=}, {max_tokens=}, "
-                             f"{check_every=}, {max_retries=}, {shrink=}, {seq_cut=}, {low_water=}, {high_water=}")
-        self.micro_batch_size, self.max_tokens = self.start_sizes = (micro_batch_size, max_tokens)  # grow up to these
-        self.meter, self.check_every, self.max_retries, self.min_seq_len = meter, check_every, max_retries, min_seq_len
-        self.high_water, self.low_water, self.shrink, self.seq_cut = high_water, low_water, shrink, seq_cut
-        self.seq_len, self.seq_len_start, self.uncut_len = seq_len, seq_len, None  # uncut_len: longest row before a cut
-        self.collate_fn, self.zero_grad, self.pin_memory = collate_fn or pad_collate, zero_grad, pin_memory
+            raise ValueError(f"AdaptiveBatchController needs {rule}; got {micro_batch_size=}, "
+                             f"{max_tokens=}, "
+                             f"{check_every=}, {max_retries=}, {shrink=}, {seq_cut=}, "
+                             f"{low_water=}, {high_water=}")
+        # grow up to these
+        self.micro_batch_size, self.max_tokens = self.start_sizes = (micro_batch_size, max_tokens)
+        self.meter, self.check_every, self.max_retries, self.min_seq_len = (
+            meter,
+            check_every,
+            max_retries,
+            min_seq_len,
+        )
+        self.high_water, self.low_water, self.shrink, self.seq_cut = (
+            high_water,
+            low_water,
+            shrink,
+            seq_cut,
+        )
+        # uncut_len: longest row before a cut
+        self.seq_len, self.seq_len_start, self.uncut_len = seq_len, seq_len, None
+        self.collate_fn, self.zero_grad, self.pin_memory = (
+            collate_fn or pad_collate,
+            zero_grad,
+            pin_memory,
+        )
         self.row_multiple = row_multiple  # a row counts at the length the collate pads it to
-        self.step = self.samples_in = self.samples_seen = self.oom_count = self.n_truncated = self.tokens_truncated = 0
-        self.events, self._window_peak = [], 0  # _window_peak: highest step peak since the last memory check
+        self.step = self.samples_in = self.samples_seen = self.oom_count = self.n_truncated = (
+            self.tokens_truncated
+        ) = 0
+        # _window_peak: highest step peak since the last memory check
+        self.events, self._window_peak = [], 0
 
-    sizes = property(lambda self: (self.micro_batch_size, self.max_tokens), doc="(micro_batch_size, max_tokens) now")
+    sizes = property(lambda self: (self.micro_batch_size, self.max_tokens),
+                     doc="(micro_batch_size, max_tokens) now")
 
     def _collate(self, samples: list) -> Any:
-        """collate_fn of the samples cut to seq_len (collate_fn may be any callable: the controller cuts them)."""
-        cut = lambda s: {k: v[:self.seq_len] if torch.is_tensor(v) and v.dim() == 1 else v for k, v in s.items()}
-        batch = self.collate_fn([s if row_length(s, self.seq_len) == len(s["input_ids"]) else cut(s) for s in samples])
-        return {k: v.pin_memory() if torch.is_tensor(v) else v for k, v in batch.items()} if self.pin_memory else batch
+        """collate_fn of the samples cut to seq_len (collate_fn may be any callable: the controller
+        cuts them)."""
+        rows = []
+        for s in samples:
+            if row_length(s, self.seq_len) != len(s["input_ids"]):
+                s = {k: _cut(v, self.seq_len) for k, v in s.items()}
+            rows.append(s)
+        batch = self.collate_fn(rows)
+        if self.pin_memory:
+            batch = {k: _pinned(v) for k, v in batch.items()}
+        return batch
 
     def _peak(self) -> int:
-        """The meter's peak since its reset: peak_in_use() (what an OOM depends on) if it has one, else peak()."""
+        """The meter's peak since its reset: peak_in_use() (what an OOM depends on) if it has one,
+        else peak()."""
         return int(getattr(self.meter, "peak_in_use", self.meter.peak)())
 
     def _event(self, kind: str, groups: list[list], peak: int | None, message: str) -> None:
@@ -350,8 +493,10 @@ class AdaptiveBatchController:
         self.events.append(BatchEvent(self.step, kind, *self.sizes, self.seq_len, accum, peak,
                                       getattr(self.meter, "budget_bytes", None), message))
 
-    def run_step(self, step: Sequence, accumulate_fn: Callable[[list], dict], zero_grad: Any = None) -> dict:
-        """One step's forward+backward at the current sizes, recovering from OOM (the caller resets the meter peak)."""
+    def run_step(self, step: Sequence, accumulate_fn: Callable[[list], dict],
+                 zero_grad: Any = None) -> dict:
+        """One step's forward+backward at the current sizes, recovering from OOM (the caller resets
+        the meter peak)."""
         groups = step_groups(step)
         n, first_event, halvings = sum(map(len, groups)), len(self.events), 0
         self.samples_in += n
@@ -370,58 +515,93 @@ class AdaptiveBatchController:
         self.n_truncated += sum(map(bool, excess))
         self.tokens_truncated += sum(excess)
         self.samples_seen, self.step = self.samples_seen + n, self.step + 1
-        used = {"micro_batch_size": self.micro_batch_size, "max_tokens": self.max_tokens, "seq_len": self.seq_len}
-        self._window_peak = max(self._window_peak, 0 if self.meter is None else self._peak())
-        budget = getattr(self.meter, "budget_bytes", None)  # read live: the budget may change during a run
-        if self.step % self.check_every == 0 and budget and self._window_peak:  # sizes of the next step by memory_check
+        used = {"micro_batch_size": self.micro_batch_size, "max_tokens": self.max_tokens,
+                "seq_len": self.seq_len}
+        if self.meter is not None:
+            self._window_peak = max(self._window_peak, self._peak())
+        # read live: the budget may change during a run
+        budget = getattr(self.meter, "budget_bytes", None)
+        # sizes of the next step by memory_check
+        if self.step % self.check_every == 0 and budget and self._window_peak:
             outside = getattr(self.meter, "end_window", lambda: 0)()  # the driver, once a decision
             peak, self._window_peak = self._window_peak + outside, 0
-            kind, (self.micro_batch_size, self.max_tokens), self.seq_len, self.uncut_len = memory_check(
-                peak / budget, self.sizes, self.start_sizes, self.seq_len, self.seq_len_start, self.uncut_len,
-                self.high_water, self.low_water, self.shrink)
+            kind, (self.micro_batch_size, self.max_tokens), self.seq_len, self.uncut_len = (
+                memory_check(
+                    peak / budget,
+                    self.sizes,
+                    self.start_sizes,
+                    self.seq_len,
+                    self.seq_len_start,
+                    self.uncut_len,
+                    self.high_water,
+                    self.low_water,
+                    self.shrink,
+                )
+            )
             if kind:
                 self._event(kind, groups, peak, f"peak {peak / budget:.0%} of the budget")
         return {**stats, **used, "accum_steps": len(micro), "events": self.events[first_event:]}
 
-    def _recover(self, groups: list[list], micro: list[list], halvings: int, message: str, zero_grad: Any) -> int:
-        """After an OOM: zero the partial gradients, free memory, then halve or cut (after_oom); returns halvings."""
+    def _recover(self, groups: list[list], micro: list[list], halvings: int, message: str,
+                 zero_grad: Any) -> int:
+        """After an OOM: zero the partial gradients, free memory, then halve or cut (after_oom);
+        returns halvings."""
         target = zero_grad if zero_grad is not None else self.zero_grad
-        if target is None:  # the retry would add to the failed attempt's partial gradients: refuse, loudly
-            raise RuntimeError("AdaptiveBatchController caught an out-of-memory error but has no zero_grad to clear "
-                               "the failed attempt's partial gradients: pass zero_grad=model (or a callable)")
-        target.zero_grad(set_to_none=True) if hasattr(target, "zero_grad") else target()
+        # the retry would add to the failed attempt's partial gradients: refuse, loudly
+        require(target is not None, "AdaptiveBatchController caught an out-of-memory error but has "
+                "no zero_grad to clear the failed attempt's partial gradients: pass "
+                "zero_grad=model (or a callable)", RuntimeError)
+        if hasattr(target, "zero_grad"):
+            target.zero_grad(set_to_none=True)
+        else:
+            target()
         gc.collect()
         empty_cache(getattr(self.meter, "device", None))  # the cached blocks back (CUDA, MPS)
         self.oom_count += 1
-        peak = None if self.meter is None else self._peak()
+        if self.meter is None:
+            peak = None
+        else:
+            peak = self._peak()
         if self.meter is not None:
             self.meter.reset_peak()  # the failed attempt's peak must not trigger a shrink as well
-        kind, sizes, seq_len = after_oom(self.sizes, micro, halvings, self.max_retries, self.seq_cut, self.seq_len)
+        kind, sizes, seq_len = after_oom(self.sizes, micro, halvings, self.max_retries,
+                                         self.seq_cut, self.seq_len)
         if kind == "oom_seq_cut":
             if seq_len < self.min_seq_len:
-                raise RuntimeError(f"OOM at step {self.step} (micro_batch_size={sizes[0]}, max_tokens={sizes[1]}): "
-                                   f"rows cut to {seq_len} tokens are below min_seq_len={self.min_seq_len} ({message})")
-            self.uncut_len = self.uncut_len or max(row_length(s, self.seq_len) for mb in micro for s in mb)
+                raise RuntimeError(f"OOM at step {self.step} (micro_batch_size={sizes[0]}, "
+                                   f"max_tokens={sizes[1]}): "
+                                   f"rows cut to {seq_len} tokens are below "
+                                   f"min_seq_len={self.min_seq_len} ({message})")
+            self.uncut_len = self.uncut_len or max(row_length(s, self.seq_len) for mb in micro
+                                                   for s in mb)
         (self.micro_batch_size, self.max_tokens), self.seq_len = sizes, seq_len
         self._event(kind, groups, peak, message)
-        return halvings + 1 if kind == "oom_halve" else 0  # shorter rows get a fresh round of halvings
+        # shorter rows get a fresh round of halvings
+        return halvings + 1 if kind == "oom_halve" else 0
 
     @property
     def stats(self) -> dict:
-        """Sizes and totals: steps, OOMs recovered, samples in / seen / lost, truncated samples and tokens, events."""
-        return {**{k: getattr(self, k) for k in self._STATE}, "oom_events_recovered": self.oom_count,
+        """Sizes and totals: steps, OOMs recovered, samples in / seen / lost, truncated samples and
+        tokens, events."""
+        return {**{k: getattr(self, k) for k in self._STATE},
+                "oom_events_recovered": self.oom_count,
                 "samples_lost": self.samples_in - self.samples_seen, "n_events": len(self.events)}
 
-    _STATE = ("micro_batch_size", "max_tokens", "seq_len", "uncut_len", "step", "samples_in", "samples_seen",
+    _STATE = ("micro_batch_size", "max_tokens", "seq_len", "uncut_len", "step", "samples_in",
+              "samples_seen",
               "n_truncated", "tokens_truncated", "oom_count")
 
     def state_dict(self) -> dict:
-        """Sizes, step, counters and events as plain types (a weights_only checkpoint holds them)."""
-        return {**{k: getattr(self, k) for k in self._STATE}, "events": [dict(e.__dict__) for e in self.events]}
+        """Sizes, step, counters and events as plain types (a weights_only checkpoint holds them).
+        """
+        return {**{k: getattr(self, k) for k in self._STATE}, "events": [dict(e.__dict__)
+                                                                         for e in self.events]}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore the state saved by state_dict()."""
-        if missing := [k for k in ("micro_batch_size", "max_tokens", "seq_len", "step") if k not in state]:
+        missing = [k for k in ("micro_batch_size", "max_tokens", "seq_len", "step")
+                   if k not in state]
+        if missing:
             raise ValueError(f"controller state is missing keys {missing} (has {sorted(state)})")
         for key in self._STATE:
             setattr(self, key, state.get(key, None if key == "uncut_len" else 0))
@@ -429,11 +609,14 @@ class AdaptiveBatchController:
 
 
 class TokenBudgetSteps:
-    """Steps of `accum_steps` of `sampler`'s batches (lists of samples; resumable, by epoch) for fit(controller=...)."""
-    def __init__(self, dataset: Sequence, sampler: TokenBudgetBatchSampler, accum_steps: int) -> None:
-        if int(accum_steps) < 1 or len(sampler.raw_lengths) != len(dataset):
-            raise ValueError(f"TokenBudgetSteps needs accum_steps >= 1 (got {accum_steps}) and a sampler built from "
-                             f"this dataset's lengths (it has {len(sampler.raw_lengths)}, the dataset {len(dataset)})")
+    """Steps of `accum_steps` of `sampler`'s batches (lists of samples; resumable, by epoch) for
+    fit(controller=...)."""
+    def __init__(self, dataset: Sequence, sampler: TokenBudgetBatchSampler,
+                 accum_steps: int) -> None:
+        require(int(accum_steps) >= 1, f"accum_steps must be >= 1, got {accum_steps}")
+        require(len(sampler.raw_lengths) == len(dataset), "TokenBudgetSteps needs a sampler built "
+                f"from this dataset's lengths (it has {len(sampler.raw_lengths)}, the dataset "
+                f"{len(dataset)})")
         self.dataset, self.batch_sampler, self.accum_steps = dataset, sampler, int(accum_steps)
 
     def set_epoch(self, epoch: int) -> None:
@@ -445,4 +628,7 @@ class TokenBudgetSteps:
 
     def __iter__(self) -> Iterator[list[list]]:
         batches, k = self.batch_sampler.batches(), self.accum_steps
-        return ([[self.dataset[i] for i in b] for b in batches[s:s + k]] for s in range(0, len(batches), k))
+        return (
+            [[self.dataset[i] for i in b] for b in batches[s : s + k]]
+            for s in range(0, len(batches), k)
+        )

@@ -1,8 +1,8 @@
-"""The device, as notebook 00_setup shows it: which one the course runs on and what it can honestly do,
-and the autocast it gets (resolve_amp, notebook 05_mixed_precision).
+"""The device, as notebook 00_setup shows it: which one the course runs on and what it can honestly
+do, and the autocast it gets (resolve_amp, notebook 05_mixed_precision).
 
-A format is "supported" when autocast runs in it here (tried), "native" when the hardware has it (not
-emulated)."""
+A format is "supported" when autocast runs in it here (tried), "native" when the hardware has it
+(not emulated)."""
 
 import os
 import platform
@@ -16,8 +16,10 @@ import torch
 from . import WAIT_POLICY_SOURCE  # the package's first lines set the policy, before torch loads
 from .checks import require
 
-_NATIVE_CPU_FLAGS = {torch.bfloat16: {"avx512_bf16", "amx_bf16", "bf16"},  # /proc/cpuinfo flags: x86 AVX512, AMX; Arm
-                     torch.float16: {"avx512_fp16", "amx_fp16", "asimdhp"}}  # x86 AVX512, AMX; Arm half-precision SIMD
+# /proc/cpuinfo flags: x86 AVX512, AMX; Arm
+_NATIVE_CPU_FLAGS = {torch.bfloat16: {"avx512_bf16", "amx_bf16", "bf16"},
+                     # x86 AVX512, AMX; Arm half-precision SIMD
+                     torch.float16: {"avx512_fp16", "amx_fp16", "asimdhp"}}
 
 
 def get_device(prefer: str | None = None) -> torch.device:
@@ -26,7 +28,10 @@ def get_device(prefer: str | None = None) -> torch.device:
     PYTORCH_CUDA_ALLOC_CONF is set): one segment that grows by mapping pages, so memory a batch of
     one shape frees serves the next shape and reserved memory stays near allocated (notebook 06);
     TF32 for fp32 matmuls (Ampere on, fp32 accumulation; notebook 05)."""
-    best = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    if torch.cuda.is_available():
+        best = "cuda"
+    else:
+        best = "mps" if torch.backends.mps.is_available() else "cpu"
     device = torch.device(prefer or os.environ.get("MINIMIND_DEVICE") or best)
     present = device.type not in ("cuda", "mps") or getattr(torch, device.type).is_available()
     require(present, f"device {device} is not available on this machine (torch "
@@ -41,7 +46,8 @@ def get_device(prefer: str | None = None) -> torch.device:
 
 
 def _cpuinfo(prefixes: tuple[str, ...]) -> list[str] | None:
-    """The values of the /proc/cpuinfo lines starting with `prefixes` (None where the OS has no /proc, e.g. macOS)."""
+    """The values of the /proc/cpuinfo lines starting with `prefixes` (None where the OS has no
+    /proc, e.g. macOS)."""
     try:
         with open("/proc/cpuinfo") as f:
             return [line.split(":", 1)[1].strip() for line in f if line.startswith(prefixes)]
@@ -50,64 +56,93 @@ def _cpuinfo(prefixes: tuple[str, ...]) -> list[str] | None:
 
 
 def cpu_native_flags(dtype: torch.dtype) -> tuple[str, ...] | None:
-    """The CPU's /proc/cpuinfo flags that do `dtype` (bf16 or fp16) arithmetic in hardware (None: no /proc)."""
+    """The CPU's /proc/cpuinfo flags that do `dtype` (bf16 or fp16) arithmetic in hardware (None: no
+    /proc)."""
     flags = _cpuinfo(("flags", "Features"))
-    return None if flags is None else tuple(sorted(set(" ".join(flags).split()) & _NATIVE_CPU_FLAGS[dtype]))
+    if flags is None:
+        return None
+    return tuple(sorted(set(" ".join(flags).split()) & _NATIVE_CPU_FLAGS[dtype]))
 
 
 @lru_cache(maxsize=None)
 def cpu_has_native(dtype: torch.dtype) -> bool:
-    """Whether the CPU has arithmetic instructions for `dtype` (bf16 or fp16), from its /proc/cpuinfo flags."""
-    flags = cpu_native_flags(dtype)  # None: no /proc (Apple silicon has fp16, and bf16 from M2 on: a stated guess)
-    return platform.machine() == "arm64" if flags is None else bool(flags)
+    """Whether the CPU has arithmetic instructions for `dtype` (bf16 or fp16), from its
+    /proc/cpuinfo flags."""
+    # None: no /proc (Apple silicon has fp16, and bf16 from M2 on: a stated guess)
+    flags = cpu_native_flags(dtype)
+    if flags is None:
+        return platform.machine() == "arm64"
+    return bool(flags)
 
 
 def device_name(device: torch.device) -> str:
     """Human-readable name of the device (GPU model or CPU model)."""
     if device.type in ("cuda", "mps"):
-        return torch.cuda.get_device_name(device) if device.type == "cuda" else f"Apple {platform.machine()} (MPS)"
-    return next(iter(_cpuinfo(("model name",)) or []), "") or platform.processor() or platform.machine()
+        if device.type == "cuda":
+            return torch.cuda.get_device_name(device)
+        return f"Apple {platform.machine()} (MPS)"
+    return next(iter(_cpuinfo(("model name",)) or []),
+                "") or platform.processor() or platform.machine()
 
 
 @lru_cache(maxsize=None)
 def autocast_runs(device_type: str, dtype: torch.dtype) -> bool:
-    """Whether a matmul under torch.autocast(device_type, dtype) runs here and comes out in `dtype`."""
+    """Whether a matmul under torch.autocast(device_type, dtype) runs here and comes out in `dtype`.
+    """
     try:
         with torch.autocast(device_type, dtype=dtype):
-            return (torch.ones(4, 4, device=device_type) @ torch.eye(4, device=device_type)).dtype == dtype
+            return (
+                torch.ones(4, 4, device=device_type) @ torch.eye(4, device=device_type)
+            ).dtype == dtype
     except (RuntimeError, TypeError):  # autocast refuses this dtype on this device type
         return False
 
 
 def bf16_supported(device: torch.device) -> bool:
     """Whether bf16 autocast runs on this device at all (it may still be slow: see bf16_native)."""
-    return torch.cuda.is_bf16_supported() if device.type == "cuda" else autocast_runs(device.type, torch.bfloat16)
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    return autocast_runs(device.type, torch.bfloat16)
 
 
 def bf16_native(device: torch.device) -> bool:
-    """Whether bf16 runs in hardware here; on a CPU without it, autocast emulates bf16 and is slower than fp32."""
+    """Whether bf16 runs in hardware here; on a CPU without it, autocast emulates bf16 and is slower
+    than fp32."""
     if device.type == "cuda":
-        return torch.cuda.get_device_capability(device)[0] >= 8  # Ampere and later have bf16 tensor cores
-    return bf16_supported(device) if device.type == "mps" else cpu_has_native(torch.bfloat16)
+        # Ampere and later have bf16 tensor cores
+        return torch.cuda.get_device_capability(device)[0] >= 8
+    if device.type == "mps":
+        return bf16_supported(device)
+    return cpu_has_native(torch.bfloat16)
 
 
 def total_memory_bytes(device: torch.device) -> int:
-    """Total memory of the device: the GPU's on CUDA, Metal's recommended maximum on MPS, else the machine's RAM."""
+    """Total memory of the device: the GPU's on CUDA, Metal's recommended maximum on MPS, else the
+    machine's RAM."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory
     if device.type == "mps":
         return torch.mps.recommended_max_memory()
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0  # 0: Windows
+    # 0: Windows
+    if hasattr(os, "sysconf"):
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return 0
 
 
 def device_report(device: torch.device | None = None, profile: Any = None) -> dict:
     """Facts about the device and the profile (profiles.Profile, if given), as a JSON-ready dict."""
     device = device or get_device()
-    return {"device": device.type, "device_name": device_name(device), "profile": getattr(profile, "name", None),
-            "torch": torch.__version__, "bf16_supported": bf16_supported(device), "bf16_native": bf16_native(device),
-            "fp16_supported": autocast_runs(device.type, torch.float16),  # most CPUs emulate it (notebook 05)
-            "fp16_native": device.type in ("cuda", "mps") or cpu_has_native(torch.float16),  # every GPU has fp16 math
-            "total_memory_bytes": total_memory_bytes(device), "cpu_threads": torch.get_num_threads(),
+    return {"device": device.type, "device_name": device_name(device), "profile": getattr(profile,
+                                                                                          "name",
+                                                                                          None),
+            "torch": torch.__version__, "bf16_supported": bf16_supported(device),
+            "bf16_native": bf16_native(device),
+            # most CPUs emulate it (notebook 05)
+            "fp16_supported": autocast_runs(device.type, torch.float16),
+            # every GPU has fp16 math
+            "fp16_native": device.type in ("cuda", "mps") or cpu_has_native(torch.float16),
+            "total_memory_bytes": total_memory_bytes(device),
+            "cpu_threads": torch.get_num_threads(),
             "omp_wait_policy": wait_policy()}
 
 
@@ -119,17 +154,31 @@ def wait_policy() -> str:
 
 
 def describe(profile: Any = None, device: torch.device | None = None) -> str:
-    """One line naming the device (a CPU with its bf16/fp16 instruction flags: notebook 05) and profile, for titles."""
-    device, named = device or get_device(), f", profile={profile.name}" if profile is not None else ""
-    flags = [cpu_native_flags(dt) for dt in (torch.bfloat16, torch.float16)] if device.type == "cpu" else [None]
-    isa = "" if None in flags else f"; {' '.join(flags[0] + flags[1]) or 'no bf16/fp16 instructions'}"
-    return f"{device.type} ({device_name(device)}{isa}){named}, torch {torch.__version__.split('+')[0]}"
+    """One line naming the device (a CPU with its bf16/fp16 instruction flags: notebook 05) and
+    profile, for titles."""
+    device, named = (
+        device or get_device(),
+        f", profile={profile.name}" if profile is not None else "",
+    )
+    if device.type == "cpu":
+        flags = [cpu_native_flags(dt) for dt in (torch.bfloat16, torch.float16)]
+    else:
+        flags = [None]
+    if None in flags:
+        isa = ""
+    else:
+        isa = f"; {' '.join(flags[0] + flags[1]) or 'no bf16/fp16 instructions'}"
+    version = torch.__version__.split("+")[0]
+    return f"{device.type} ({device_name(device)}{isa}){named}, torch {version}"
 
 
 def empty_cache(device: torch.device | None = None) -> None:
     """Give the allocator's cached blocks back to the driver, on `device` or (None) on every GPU
     backend present."""
-    kind = None if device is None else torch.device(device).type
+    if device is None:
+        kind = None
+    else:
+        kind = torch.device(device).type
     if kind in (None, "cuda"):
         torch.cuda.empty_cache()  # a no-op before CUDA's first use
     if kind == "mps" or (kind is None and torch.backends.mps.is_available()):

@@ -6,7 +6,7 @@ implies. `DPO` is the objective `train.fit` takes for a DPO run."""
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable
+from typing import Iterable
 
 import torch
 import torch.nn.functional as F

@@ -1,5 +1,6 @@
-"""Atomic file writes (memmaps of notebook 02_data, checkpoints of 03_model): old file or new, never half of one;
-and the lock that keeps a second run of notebook 07_pretrain's pipeline out of a run directory in use."""
+"""Atomic file writes (memmaps of notebook 02_data, checkpoints of 03_model): old file or new, never
+half of one; and the lock that keeps a second run of notebook 07_pretrain's pipeline out of a run
+directory in use."""
 
 from __future__ import annotations
 
@@ -13,10 +14,12 @@ from typing import IO, Iterator
 
 try:
     import fcntl
-except ImportError:  # Windows: no advisory locks; a second run into the same directory is not detected there
+# Windows: no advisory locks; a second run into the same directory is not detected there
+except ImportError:
     fcntl = None
 
-# Every file this program leaves beside a user's starts with PREFIX: never mistaken for theirs, nor removed as ours.
+# Every file this program leaves beside a user's starts with PREFIX: never mistaken for theirs, nor
+# removed as ours.
 PREFIX = ".minimind-"
 LOCK_FILE, TMP_PREFIX = PREFIX + "lock", PREFIX + "tmp."
 # What an OSError's errno means and what to do: the commands' error line, never a bare [Errno N]
@@ -54,11 +57,14 @@ def check_utf8_path(path: str | os.PathLike, flag: str) -> None:
 
 
 @contextlib.contextmanager
-def atomic_open(path: str | os.PathLike, mode: str = "wb", encoding: str | None = None) -> Iterator[IO]:
-    """Open a temp file beside `path` for writing; on success flush, fsync and os.replace it onto `path`."""
+def atomic_open(path: str | os.PathLike, mode: str = "wb",
+                encoding: str | None = None) -> Iterator[IO]:
+    """Open a temp file beside `path` for writing; on success flush, fsync and os.replace it onto
+    `path`."""
     if mode not in ("w", "wb"):
         raise ValueError(f"atomic_open writes whole files: mode must be 'w' or 'wb', got {mode!r}")
-    (path := Path(path)).parent.mkdir(parents=True, exist_ok=True)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     prefix = f"{TMP_PREFIX}{path.name}."
     try:
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=prefix, suffix=".tmp")
@@ -69,17 +75,25 @@ def atomic_open(path: str | os.PathLike, mode: str = "wb", encoding: str | None 
             yield f
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600; the files we write are meant to be read by others
+        # mkstemp makes 0600; the files we write are meant to be read by others
+        os.chmod(tmp, 0o644)
         os.replace(tmp, path)
     except BaseException as e:
         Path(tmp).unlink(missing_ok=True)
-        while e is not None and getattr(e, "errno", None) not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-            e = e.__cause__ or e.__context__  # torch.save reports a failed write as "unexpected pos ..."
+        while e is not None and getattr(e, "errno", None) not in (errno.ENOSPC, errno.EDQUOT,
+                                                                  errno.EFBIG):
+            # torch.save reports a failed write as "unexpected pos ..."
+            e = e.__cause__ or e.__context__
         if e is None:
             raise
-        why = "the file-size limit (ulimit -f) was reached" if e.errno == errno.EFBIG else "no space left on the disk"
+        why = (
+            "the file-size limit (ulimit -f) was reached"
+            if e.errno == errno.EFBIG
+            else "no space left on the disk"
+        )
         raise OSError(f"cannot write {path}: {why}; the partial file was removed"
-                      + (f", the previous {path.name} is unchanged" if path.exists() else "")) from None
+                      + (f", the previous {path.name} is unchanged" if path.exists()
+                         else "")) from None
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
@@ -90,23 +104,31 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
 
 @contextlib.contextmanager
 def exclusive_dir(directory: str | os.PathLike) -> Iterator[Path]:
-    """Hold an exclusive lock on a directory for the block (another holder: FileExistsError naming its pid, kept in
-    DIR/.minimind-lock meanwhile). A directory created here and left empty is removed at the end."""
-    if (directory := Path(directory)).is_symlink() and not directory.exists():
-        raise FileExistsError(f"{directory} is a symbolic link to {os.readlink(directory)}, which does not exist: "
+    """Hold an exclusive lock on a directory for the block (another holder: FileExistsError naming
+    its pid, kept in DIR/.minimind-lock meanwhile). A directory created here and left empty is
+    removed at the end."""
+    directory = Path(directory)
+    if directory.is_symlink() and not directory.exists():
+        raise FileExistsError(f"{directory} is a symbolic link to {os.readlink(directory)}, which "
+                              "does not exist: "
                               f"create its target or choose another directory")
     if directory.exists() and not directory.is_dir():
         raise FileExistsError(f"{directory} is a file, not a directory")
     created, pid_file = not directory.exists(), directory / LOCK_FILE
     directory.mkdir(parents=True, exist_ok=True)
-    fd = os.open(directory, os.O_RDONLY)  # the lock is on the directory itself: a kill leaves nothing locked
+    # the lock is on the directory itself: a kill leaves nothing locked
+    fd = os.open(directory, os.O_RDONLY)
     try:
         if fcntl is not None:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
-        holder = pid_file.read_text().strip() if pid_file.is_file() else ""
-        raise FileExistsError(f"{directory} is in use by pid {holder or '?'} (another run writes there); wait for "
+        if pid_file.is_file():
+            holder = pid_file.read_text().strip()
+        else:
+            holder = ""
+        raise FileExistsError(f"{directory} is in use by pid {holder or '?'} (another run writes "
+                              "there); wait for "
                               f"it to end or choose another directory") from None
     try:
         pid_file.write_text(str(os.getpid()))
@@ -119,8 +141,9 @@ def exclusive_dir(directory: str | os.PathLike) -> Iterator[Path]:
 
 
 def file_fingerprint(path: str | os.PathLike) -> dict:
-    """Size and SHA-1 of the whole content, streamed (benchmarks/memmap.py measures it on 1 GB): the tokenizer cache
-    and the resume check both use it, so they cannot disagree about whether a data file changed."""
+    """Size and SHA-1 of the whole content, streamed (benchmarks/memmap.py measures it on 1 GB): the
+    tokenizer cache and the resume check both use it, so they cannot disagree about whether a data
+    file changed."""
     digest = hashlib.sha1()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 22), b""):

@@ -113,7 +113,10 @@ def load_lora(model: nn.Module, state: dict, where: str = "LoRA file") -> None:
     for key, m in expected.items():
         half = key.split(".")[-2]  # "A" or "B"
         param, value = getattr(m.lora, half).weight, state[key]
-        shape = list(value.shape) if torch.is_tensor(value) else type(value).__name__
+        if torch.is_tensor(value):
+            shape = list(value.shape)
+        else:
+            shape = type(value).__name__
         require(shape == list(param.shape), f"{where}: {key} is {shape}, this model's LoRA layer "
                                             f"has shape {list(param.shape)} (another rank?)")
         param.copy_(value / (m.lora.scale if half == "B" else 1.0))

@@ -1,6 +1,7 @@
-"""Profiles, shown in notebook 00_setup: the sizes every notebook and the CLI read, so one notebook runs in seconds
-in CI (``smoke``), a minute in class (``workshop``), minutes on a laptop (``cpu``), as MiniMind2-small on a GPU
-(``gpu``; ``gpu-check``: the same model, fewer steps, for benchmarks/gpu_check.sh)."""
+"""Profiles, shown in notebook 00_setup: the sizes every notebook and the CLI read, so one notebook
+runs in seconds in CI (``smoke``), a minute in class (``workshop``), minutes on a laptop (``cpu``),
+as MiniMind2-small on a GPU (``gpu``; ``gpu-check``: the same model, fewer steps, for
+benchmarks/gpu_check.sh)."""
 
 import os
 from dataclasses import asdict, dataclass, replace
@@ -10,15 +11,18 @@ import torch
 
 @dataclass(frozen=True)
 class Profile:
-    """The sizes of one way of running the course: one micro-batch size and one accumulation for every notebook."""
+    """The sizes of one way of running the course: one micro-batch size and one accumulation for
+    every notebook."""
     name: str
     model: str  # a preset name for MiniMindConfig.preset
     seq_len: int  # longest row fed to the model, in tokens
-    batch_size: int  # rows per micro-batch; a token-budget micro-batch holds max_tokens = batch_size x seq_len
+    # rows per micro-batch; a token-budget micro-batch holds max_tokens = batch_size x seq_len
+    batch_size: int
     accum_steps: int  # micro-batches per optimizer step
     lr: float  # peak learning rate (SFT uses half of it: it starts from a trained model)
     train_steps: int  # optimizer steps of the short experiments of notebooks 04-06
-    pretrain_steps: int  # optimizer steps of the pretraining run (notebook 07, `python -m minimind_lib pretrain`)
+    # optimizer steps of the pretraining run (notebook 07, `python -m minimind_lib pretrain`)
+    pretrain_steps: int
     sft_steps: int  # optimizer steps of the SFT run (notebook 08, `python -m minimind_lib sft`)
     eval_every: int  # optimizer steps between validation passes
     max_samples: int | None  # cap on samples read from data/ (None: all of them)
@@ -30,7 +34,8 @@ class Profile:
 
     @property
     def max_tokens(self) -> int:
-        """Padded tokens (rows x longest row) of one micro-batch: the same memory as batch_size full rows."""
+        """Padded tokens (rows x longest row) of one micro-batch: the same memory as batch_size full
+        rows."""
         return self.batch_size * self.seq_len
 
     def to_dict(self) -> dict:  # a plain dict for JSON and tables, max_tokens included
@@ -47,16 +52,19 @@ class Profile:
 
 
 PROFILES: dict[str, Profile] = {
-    # CI on 2 CPU cores: every notebook in about a minute; proves the code runs, not that it learns well.
+    # CI on 2 CPU cores: every notebook in about a minute; proves the code runs, not that it learns
+    # well.
     "smoke": Profile(name="smoke", model="smoke", seq_len=128, batch_size=4, accum_steps=2, lr=3e-3,
                      train_steps=12, pretrain_steps=24, sft_steps=16, eval_every=6,
                      max_samples=2000, dpo_steps=8, dpo_lr=2e-4, row_multiple=32),
-    # A classroom of 2-core laptops: each notebook in ~90 s; the smoke model on 25x smoke's tokens writes words.
+    # A classroom of 2-core laptops: each notebook in ~90 s; the smoke model on 25x smoke's tokens
+    # writes words.
     "workshop": Profile(name="workshop", model="smoke", seq_len=128, batch_size=4, accum_steps=4,
                         lr=1e-2, train_steps=24, pretrain_steps=300, sft_steps=60, eval_every=50,
                         max_samples=4000, dpo_steps=24, dpo_lr=2e-4,
                         row_multiple=32),
-    # A learner's laptop CPU: minutes per notebook, the loss visibly falls; pretraining is 100 x 4 x 1024 = 410k tokens.
+    # A learner's laptop CPU: minutes per notebook, the loss visibly falls; pretraining is 100 x 4 x
+    # 1024 = 410k tokens.
     "cpu": Profile(name="cpu", model="cpu", seq_len=256, batch_size=4, accum_steps=4, lr=2e-3,
                    train_steps=60, pretrain_steps=100, sft_steps=50, eval_every=10,
                    max_samples=None, dpo_steps=30, dpo_lr=5e-5, row_multiple=64),
@@ -80,21 +88,32 @@ PROFILES: dict[str, Profile] = {
 GPU_PLAN_BYTES = int(0.6 * 16e9)
 
 
-def select_profile_name(env: dict[str, str] | None = None, cuda_available: bool | None = None) -> str:
-    """Name of the profile to use: MINIMIND_PROFILE, else smoke under CI, else gpu with CUDA, else cpu."""
+def select_profile_name(env: dict[str, str] | None = None,
+                        cuda_available: bool | None = None) -> str:
+    """Name of the profile to use: MINIMIND_PROFILE, else smoke under CI, else gpu with CUDA, else
+    cpu."""
     env = os.environ if env is None else env
-    if requested := env.get("MINIMIND_PROFILE", "").strip().lower():
+    requested = env.get("MINIMIND_PROFILE", "").strip().lower()
+    if requested:
         if requested not in PROFILES:
-            raise ValueError(f"MINIMIND_PROFILE={requested!r} is not a profile; choose one of {sorted(PROFILES)}")
+            raise ValueError(f"MINIMIND_PROFILE={requested!r} is not a profile; choose one of "
+                             f"{sorted(PROFILES)}")
         return requested
     if env.get("CI", "").strip().lower() not in ("", "0", "false", "no"):
         return "smoke"
-    return "gpu" if (torch.cuda.is_available() if cuda_available is None else cuda_available) else "cpu"
+    if cuda_available is None:
+        cuda_available = torch.cuda.is_available()
+    return "gpu" if cuda_available else "cpu"
 
 
 def get_profile(name: str | None = None, **overrides) -> Profile:
     """The named profile (or the selected one), with optional field overrides."""
-    name = select_profile_name() if name is None else name
+    if name is None:
+        name = select_profile_name()
+    else:
+        name = name
     if name not in PROFILES:
         raise ValueError(f"unknown profile {name!r}; choose one of {sorted(PROFILES)}")
-    return replace(PROFILES[name], **overrides) if overrides else PROFILES[name]
+    if overrides:
+        return replace(PROFILES[name], **overrides)
+    return PROFILES[name]

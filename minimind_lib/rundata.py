@@ -52,7 +52,10 @@ def make_controller(device: torch.device, max_tokens: int, seq_len: int, pad_id:
     (what an OOM depends on) against the device's memory, elsewhere OOM recovery only (a CPU's RAM
     has no limit a process sees coming); rows padded to a multiple of row_multiple (a compiled
     model's few shapes)."""
-    meter = MemoryMeter(device) if device.type in ("cuda", "mps") else None
+    if device.type in ("cuda", "mps"):
+        meter = MemoryMeter(device)
+    else:
+        meter = None
     if meter is not None:  # the checks' threshold only; the allocator keeps its limit
         meter.budget_bytes = total_memory_bytes(device)
     return AdaptiveBatchController(max_tokens=max_tokens, seq_len=seq_len, meter=meter,
@@ -67,7 +70,10 @@ def datasets(s: Any, tok: Any, dinfo: Any,
     """1. (training set, validation batches, the held-out count) of resolved RunSettings `s`; under
     DDP rank 0 fills the cache first."""
     main = dinfo is None or dinfo.is_main
-    cache = Path(s.cache_dir) if s.cache_dir is not None else Path(s.out).parent / "cache"
+    if s.cache_dir is not None:
+        cache = Path(s.cache_dir)
+    else:
+        cache = Path(s.out).parent / "cache"
     file = next((p for p in (cache, *cache.parents) if p.exists() and not p.is_dir()), None)
     if file is not None:
         raise RunError(f"cache directory {cache}: {file} is a file, not a directory (pass --cache "

@@ -569,7 +569,7 @@ def test_token_budget_steps_are_the_dataloaders_micro_batches():
     resumed = DataStream(fresh())
     resumed.load_state_dict({"epoch": 1, "offset": 1})
     assert ids(resumed.next()) == seen[-1]
-    with pytest.raises(ValueError, match="accum_steps >= 1"):
+    with pytest.raises(ValueError, match="accum_steps must be >= 1"):
         TokenBudgetSteps(ds, sampler, 0)
     with pytest.raises(ValueError, match="this dataset's lengths"):
         TokenBudgetSteps(ds[:10], sampler, 2)

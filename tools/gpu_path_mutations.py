@@ -26,9 +26,9 @@ MUTATIONS = [
   [T + "test_a_pressure_spike_shrinks_once_and_the_batch_grows_back",
    T + "test_a_steady_load_never_moves_the_batch_while_the_cache_grows", T + "test_the_driver_is_read_once_per_check"]),
  ("the driver read every step, not once per check", "minimind_lib/batching.py",
-  '''        self._window_peak = max(self._window_peak, 0 if self.meter is None else self._peak())''',
-  '''        self._window_peak = max(self._window_peak, 0 if self.meter is None else self._peak()
-                                + getattr(self.meter, "end_window", lambda: 0)())''',
+  '''            self._window_peak = max(self._window_peak, self._peak())''',
+  '''            self._window_peak = max(self._window_peak, self._peak()
+                                    + getattr(self.meter, "end_window", lambda: 0)())''',
   [T + "test_the_driver_is_read_once_per_check"]),
  ("fit reads the device in float64 (MPS has none)", "minimind_lib/train.py",
   '''torch.stack([r[k].detach().float() for r, k in keys])''', '''torch.stack([r[k].detach().double() for r, k in keys])''',
