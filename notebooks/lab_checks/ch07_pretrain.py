@@ -4,7 +4,6 @@ import math
 import re
 import numpy as np
 import pandas as pd
-import torch
 from minimind_lib import evaluate as ev
 from minimind_lib.model import MiniMindForCausalLM
 from . import Case, draw, edited, randomized, region

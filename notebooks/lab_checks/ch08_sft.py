@@ -7,10 +7,9 @@ from . import Case, draw, edited, region
 from .ch07_pretrain import scorer
 
 def generate(*edits):  # my_generate from generate_ids, edited; `pick` (greedy by default) picks
-    picks = [None]
-    generate_ids = edited(G.generate_ids, *edits, sample_next=lambda logits, *_: picks[0](logits))
-    def my_generate(model, prompt_ids, n, pick=lambda logits: logits.argmax(-1), stop_ids=(), use_cache=True):
-        picks[0] = pick
+    def my_generate(model, prompt_ids, n, pick=lambda logits: logits.argmax(-1), stop_ids=(),
+                    use_cache=True):
+        generate_ids = edited(G.generate_ids, *edits, sample_next=lambda logits, *_: pick(logits))
         return generate_ids(model, torch.tensor(prompt_ids), n, 0.0, use_cache=use_cache,
                             stop_token_ids=stop_ids)[0].tolist()
     return my_generate
